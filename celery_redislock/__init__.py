@@ -1,0 +1,63 @@
+"""celery-redislock: singleton Celery tasks on a token-owned, renewed Redis lock."""
+
+from __future__ import annotations
+
+from celery_redislock.backend import ReleaseOutcome
+from celery_redislock.exceptions import (
+    ConfigurationError,
+    LockBackendError,
+    LockContended,
+    LockKeyError,
+    LockLost,
+    LockNotOwned,
+    RedisLockError,
+)
+from celery_redislock.lock import LockHandle, RedisLock
+from celery_redislock.policies import (
+    Contention,
+    ContentionPolicy,
+    Raise,
+    Retry,
+    Skip,
+    Wait,
+    is_skipped,
+)
+from celery_redislock.signals import (
+    lock_acquired,
+    lock_contended,
+    lock_lost,
+    lock_released,
+    lock_renewed,
+)
+from celery_redislock.task import SingletonRequest, SingletonTask, SingletonTaskMixin
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigurationError",
+    "Contention",
+    "ContentionPolicy",
+    "LockBackendError",
+    "LockContended",
+    "LockHandle",
+    "LockKeyError",
+    "LockLost",
+    "LockNotOwned",
+    "Raise",
+    "RedisLock",
+    "RedisLockError",
+    "ReleaseOutcome",
+    "Retry",
+    "SingletonRequest",
+    "SingletonTask",
+    "SingletonTaskMixin",
+    "Skip",
+    "Wait",
+    "__version__",
+    "is_skipped",
+    "lock_acquired",
+    "lock_contended",
+    "lock_lost",
+    "lock_released",
+    "lock_renewed",
+]

@@ -1,0 +1,465 @@
+"""The only module that talks to Redis: lock scripts, clients and their errors.
+
+Every lock operation is one round trip: a single ``EVALSHA`` (or a pipeline
+of them for batched renewal). After ``SCRIPT FLUSH``, a restart or a
+failover the server answers ``NOSCRIPT``; the command is then re-sent once as
+``EVAL``, which also caches the script again, so the cost is one extra round
+trip per script per flush and never an error.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import redis
+from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.retry import Retry
+
+from celery_redislock._clock import clock
+from celery_redislock.exceptions import LockBackendError
+from celery_redislock.tokens import LockValue
+
+__all__ = [
+    "AcquireResult",
+    "LockBackend",
+    "ReleaseOutcome",
+    "RenewOutcome",
+    "release_channel",
+]
+
+logger = logging.getLogger("celery_redislock.backend")
+
+T = TypeVar("T")
+
+# KEYS[1] - lock key
+# ARGV[1] - value to store (see tokens.py)
+# ARGV[2] - time to live in milliseconds
+# returns {1} when the lock was taken, or when the key already holds ARGV[1]
+#         (a client retry after a lost reply: still ours, TTL refreshed);
+#         {0, holder value, holder PTTL in ms} when someone else holds it
+ACQUIRE_SCRIPT = """
+local current = redis.call('GET', KEYS[1])
+if not current then
+    redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+    return {1}
+end
+if current == ARGV[1] then
+    redis.call('PEXPIRE', KEYS[1], ARGV[2])
+    return {1}
+end
+return {0, current, redis.call('PTTL', KEYS[1])}
+"""
+
+# KEYS[1] - lock key
+# ARGV[1] - the holder's whole value (mode "exact") or an owner prefix
+#           (mode "prefix", used by a worker's parent for a dead child)
+# ARGV[2] - "exact" or "prefix"
+# ARGV[3] - channel to PUBLISH on when released, to wake waiters
+# returns 1 if released, 0 if the key was already gone, -1 if another
+#         holder's value is there (it is left alone)
+RELEASE_SCRIPT = """
+local current = redis.call('GET', KEYS[1])
+if not current then
+    return 0
+end
+local ours
+if ARGV[2] == 'prefix' then
+    ours = string.sub(current, 1, string.len(ARGV[1])) == ARGV[1]
+else
+    ours = current == ARGV[1]
+end
+if not ours then
+    return -1
+end
+redis.call('DEL', KEYS[1])
+redis.call('PUBLISH', ARGV[3], '1')
+return 1
+"""
+
+# KEYS[1..n] - lock keys
+# ARGV[i]    - the holder's value for KEYS[i]
+# ARGV[n+i]  - new time to live in milliseconds for KEYS[i]
+# returns one status per key: 1 renewed, 0 gone, -1 another holder's value.
+# It only PEXPIREs a key that still holds our value; it never re-creates an
+# expired key, which would hide a gap in which someone else may have run.
+RENEW_SCRIPT = """
+local n = #KEYS
+local result = {}
+for i = 1, n do
+    local current = redis.call('GET', KEYS[i])
+    if not current then
+        result[i] = 0
+    elseif current == ARGV[i] then
+        redis.call('PEXPIRE', KEYS[i], ARGV[n + i])
+        result[i] = 1
+    else
+        result[i] = -1
+    end
+end
+return result
+"""
+
+
+class _Script:
+    """A Lua script addressed by SHA1, re-sent as EVAL after NOSCRIPT."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.sha = hashlib.sha1(source.encode()).hexdigest()
+
+    def __call__(self, client: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        try:
+            return client.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            return client.eval(self.source, len(keys), *keys, *args)
+
+
+_ACQUIRE = _Script(ACQUIRE_SCRIPT)
+_RELEASE = _Script(RELEASE_SCRIPT)
+_RENEW = _Script(RENEW_SCRIPT)
+
+#: Keys per renewal script call: bounds how long one call blocks Redis.
+RENEW_CHUNK_SIZE = 500
+
+
+def release_channel(key: str) -> str:
+    """Return the pub/sub channel a release of ``key`` is announced on."""
+    return f"{key}:released"
+
+
+class ReleaseOutcome(enum.Enum):
+    """What a release found."""
+
+    RELEASED = 1
+    ALREADY_GONE = 0
+    NOT_OURS = -1
+
+
+class RenewOutcome(enum.Enum):
+    """What a renewal found for one key."""
+
+    RENEWED = 1
+    GONE = 0
+    STOLEN = -1
+
+
+@dataclass(frozen=True)
+class AcquireResult:
+    """The reply of one acquire.
+
+    Attributes:
+        acquired: True when the lock is now ours.
+        holder: The current holder's raw value when contended.
+        ttl_remaining: Seconds left on the holder's lock when contended
+            (``None`` when the key has no expiry).
+        sent_at: :func:`clock` reading just before the acquire was sent.
+    """
+
+    acquired: bool
+    holder: str | None = None
+    ttl_remaining: float | None = None
+    sent_at: float = 0.0
+
+    @property
+    def holder_task_id(self) -> str | None:
+        """Task id of the holder, when the holder is a Celery task."""
+        if self.holder is None:
+            return None
+        decoded = LockValue.decode(self.holder)
+        if decoded is None or not decoded.owner.task_id:
+            return None
+        return decoded.owner.task_id
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+_DEFAULT_OPTIONS: Mapping[str, Any] = {
+    # Bounded, so a hung Redis can never hang a task forever.
+    "socket_timeout": 5.0,
+    "socket_connect_timeout": 5.0,
+    "health_check_interval": 30,
+}
+
+
+class LockBackend:
+    """Lock operations against one Redis server (one per app setting).
+
+    Args:
+        url: ``redis://`` / ``rediss://`` / ``unix://`` URL of the lock store.
+        options: Extra keyword arguments for ``redis.Redis.from_url``; they
+            override the package defaults (5 s socket timeouts, 2 quick
+            client retries).
+        renew_timeout: Socket timeout of the renewer's own connection. The
+            renewer never retries inside redis-py; it retries on its next tick
+            and counts the lock lost once its validity has run out.
+        client: Use this client instead of building one from ``url`` (for
+            the standalone lock); the renewer then builds its connection from
+            the client's connection pool settings.
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        options: Mapping[str, Any] | None = None,
+        renew_timeout: float = 0.5,
+        client: redis.Redis | None = None,
+    ) -> None:
+        if client is None and url is None:
+            raise ValueError("LockBackend needs a url or a client")
+        self.url = url
+        self.options = {**_DEFAULT_OPTIONS, **(options or {})}
+        self.renew_timeout = renew_timeout
+        self._client = client
+        self._client_pid = os.getpid() if client is not None else None
+        self._renew_client: redis.Redis | None = None
+        self._renew_client_pid: int | None = None
+        self._guard = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"<LockBackend {self.describe()}>"
+
+    def describe(self) -> str:
+        """Return the server address without credentials, for messages."""
+        if self.url is None:
+            return "custom client"
+        head, _, tail = self.url.rpartition("@")
+        scheme = self.url.split("://", 1)[0]
+        return f"{scheme}://{tail}" if head else self.url
+
+    # -- clients ---------------------------------------------------------
+
+    @property
+    def client(self) -> redis.Redis:
+        """The command client; built lazily, and rebuilt in a forked child."""
+        if self._client is not None and (self.url is None or self._client_pid == os.getpid()):
+            return self._client
+        with self._guard:
+            if self._client is None or self._client_pid != os.getpid():
+                assert self.url is not None
+                options = dict(self.options)
+                options.setdefault("retry", Retry(ExponentialBackoff(cap=0.2, base=0.01), 2))
+                self._client = self._build(self.url, options)
+                self._client_pid = os.getpid()
+            return self._client
+
+    def renewal_client(self) -> redis.Redis:
+        """The renewer's own client: short timeout, no redis-py retries."""
+        if self._renew_client is not None and self._renew_client_pid == os.getpid():
+            return self._renew_client
+        with self._guard:
+            options: dict[str, Any]
+            if self.url is not None:
+                options = dict(self.options)
+                url = self.url
+            else:
+                assert self._client is not None
+                pool_kwargs = dict(self._client.connection_pool.connection_kwargs)
+                options = {k: v for k, v in pool_kwargs.items() if k != "connection_class"}
+                options["connection_class"] = self._client.connection_pool.connection_class
+                url = None
+            options.update(
+                socket_timeout=self.renew_timeout,
+                socket_connect_timeout=self.renew_timeout,
+                retry=Retry(NoBackoff(), 0),
+                health_check_interval=0,
+            )
+            if url is not None:
+                client = self._build(url, options)
+            else:
+                options.pop("retry", None)
+                pool = redis.ConnectionPool(**options)
+                client = redis.Redis(connection_pool=pool, retry=Retry(NoBackoff(), 0))
+            self._renew_client = client
+            self._renew_client_pid = os.getpid()
+            return client
+
+    @staticmethod
+    def _build(url: str, options: Mapping[str, Any]) -> redis.Redis:
+        try:
+            return redis.Redis.from_url(url, **options)
+        except (ValueError, TypeError) as exc:
+            raise LockBackendError(f"cannot use redislock_url {url!r}: {exc}") from exc
+
+    @contextmanager
+    def _errors(self, operation: str, key: str) -> Iterator[None]:
+        try:
+            yield
+        except ResponseError as exc:
+            detail = str(exc)
+            if "NOPERM" in detail or "unknown command" in detail.lower():
+                detail += " (the lock store must allow EVAL/EVALSHA, GET, SET, PEXPIRE, PTTL, DEL "
+                detail += "and PUBLISH for this user)"
+            raise LockBackendError(
+                f"Redis at {self.describe()} refused to {operation} lock {key!r}: {detail}"
+            ) from exc
+        except RedisError as exc:
+            raise LockBackendError(
+                f"cannot {operation} lock {key!r}: Redis at {self.describe()} is unavailable "
+                f"({type(exc).__name__}: {exc})"
+            ) from exc
+
+    # -- operations ------------------------------------------------------
+
+    def acquire(self, key: str, value: str, ttl_ms: int) -> AcquireResult:
+        """Take the lock if free (or already ours), in one round trip.
+
+        The result's ``sent_at`` is the :func:`clock` reading taken just
+        before the command was sent: the lease is valid from then on.
+
+        Raises:
+            LockBackendError: Redis is unreachable or refused the script.
+        """
+        sent_at = clock()
+        with self._errors("acquire", key):
+            reply = _ACQUIRE(self.client, (key,), (value, ttl_ms))
+        if int(reply[0]) == 1:
+            return AcquireResult(True, sent_at=sent_at)
+        pttl = int(reply[2])
+        return AcquireResult(
+            False, _text(reply[1]), pttl / 1000.0 if pttl >= 0 else None, sent_at=sent_at
+        )
+
+    def acquire_waiting(
+        self,
+        key: str,
+        value: str,
+        ttl_ms: int,
+        timeout: float,
+        on_wait: Callable[[AcquireResult], None] | None = None,
+    ) -> AcquireResult:
+        """Take the lock, waiting up to ``timeout`` seconds for its release.
+
+        The waiter subscribes to the key's release channel *before* trying
+        again, so a release between the failed try and the subscription is
+        never missed; each wait is also capped at the holder's remaining TTL,
+        so a lost message or a holder that died costs at most that long.
+
+        Args:
+            key: Lock key.
+            value: Value to store.
+            ttl_ms: Time to live once taken.
+            timeout: Longest total wait, in seconds.
+            on_wait: Called once with the first contended reply.
+
+        Raises:
+            LockBackendError: Redis is unreachable.
+        """
+        result = self.acquire(key, value, ttl_ms)
+        if result.acquired or timeout <= 0:
+            return result
+        if on_wait is not None:
+            on_wait(result)
+        deadline = time.monotonic() + timeout
+        with self._errors("wait for", key):
+            pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+            try:
+                pubsub.subscribe(release_channel(key))
+                while True:
+                    result = self.acquire(key, value, ttl_ms)
+                    remaining = deadline - time.monotonic()
+                    if result.acquired or remaining <= 0:
+                        return result
+                    wait = remaining
+                    if result.ttl_remaining is not None:
+                        wait = min(wait, result.ttl_remaining + 0.005)
+                    pubsub.get_message(timeout=max(wait, 0.001))
+            finally:
+                pubsub.close()
+
+    def release(self, key: str, value: str) -> ReleaseOutcome:
+        """Delete the lock if it still holds ``value`` exactly."""
+        return self._release(key, value, "exact")
+
+    def release_owner(self, key: str, owner_prefix: str) -> ReleaseOutcome:
+        """Delete the lock if its value starts with ``owner_prefix``."""
+        return self._release(key, owner_prefix, "prefix")
+
+    def _release(self, key: str, match: str, mode: str) -> ReleaseOutcome:
+        with self._errors("release", key):
+            reply = _RELEASE(self.client, (key,), (match, mode, release_channel(key)))
+        return ReleaseOutcome(int(reply))
+
+    def extend(self, key: str, value: str, ttl_ms: int) -> RenewOutcome:
+        """Reset the lock's TTL to ``ttl_ms`` if it still holds ``value``."""
+        with self._errors("extend", key):
+            reply = _RENEW(self.client, (key,), (value, ttl_ms))
+        return RenewOutcome(int(reply[0]))
+
+    def renew_many(
+        self, items: Sequence[tuple[str, str, int]], client: redis.Redis | None = None
+    ) -> list[RenewOutcome]:
+        """Renew many locks in one round trip (a pipeline of chunked scripts).
+
+        Args:
+            items: ``(key, value, ttl_ms)`` for each lock.
+            client: Client to use; defaults to :meth:`renewal_client`.
+
+        Raises:
+            LockBackendError: the round trip failed; no outcome is known.
+        """
+        if not items:
+            return []
+        client = client or self.renewal_client()
+        chunks = [items[i : i + RENEW_CHUNK_SIZE] for i in range(0, len(items), RENEW_CHUNK_SIZE)]
+        with self._errors("renew", items[0][0]):
+            if len(chunks) == 1:
+                replies = [_RENEW(client, *self._renew_args(chunks[0]))]
+            else:
+                replies = self._renew_pipelined(client, chunks)
+        return [RenewOutcome(int(status)) for reply in replies for status in reply]
+
+    @staticmethod
+    def _renew_args(chunk: Sequence[tuple[str, str, int]]) -> tuple[list[str], list[Any]]:
+        keys = [key for key, _, _ in chunk]
+        args: list[Any] = [value for _, value, _ in chunk] + [ttl for _, _, ttl in chunk]
+        return keys, args
+
+    def _renew_pipelined(
+        self, client: redis.Redis, chunks: Sequence[Sequence[tuple[str, str, int]]]
+    ) -> list[Any]:
+        # Plain evalsha in a non-transactional pipeline: redis-py's Script
+        # objects would add a SCRIPT EXISTS round trip to every execute().
+        pipe = client.pipeline(transaction=False)
+        prepared = [self._renew_args(chunk) for chunk in chunks]
+        for keys, args in prepared:
+            pipe.evalsha(_RENEW.sha, len(keys), *keys, *args)
+        replies = pipe.execute(raise_on_error=False)
+        for index, reply in enumerate(replies):
+            if isinstance(reply, NoScriptError):
+                keys, args = prepared[index]
+                replies[index] = client.eval(_RENEW.source, len(keys), *keys, *args)
+            elif isinstance(reply, Exception):
+                raise reply
+        return list(replies)
+
+    def inspect(self, key: str) -> tuple[str | None, float | None]:
+        """Return the raw value and remaining TTL (seconds) of ``key``."""
+        with self._errors("inspect", key):
+            pipe = self.client.pipeline(transaction=False)
+            pipe.get(key)
+            pipe.pttl(key)
+            value, pttl = pipe.execute()
+        if value is None:
+            return None, None
+        return _text(value), (pttl / 1000.0 if pttl >= 0 else None)
+
+    def close(self) -> None:
+        """Disconnect this process's clients."""
+        for client in (self._client, self._renew_client):
+            if client is not None and self.url is not None:
+                client.close()
+        if self.url is not None:
+            self._client = None
+        self._renew_client = None

@@ -1,0 +1,151 @@
+"""Settings, read in one place: task attribute, else app setting, else default.
+
+App settings are read lazily with ``app.conf.get(...)`` the first time a lock
+is used, never registered with ``app.add_defaults`` (which would shadow a
+value loaded by ``config_from_object``). Under
+``config_from_object(..., namespace="CELERY")`` the ``CELERY_REDISLOCK_*``
+spelling works too. Each app gets its own settings and its own Redis
+clients, so two apps in one process can use two lock stores.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from celery import Celery
+
+from celery_redislock.backend import LockBackend
+from celery_redislock.exceptions import ConfigurationError
+from celery_redislock.lock import validate_ttl
+from celery_redislock.policies import ContentionPolicy, resolve_policy
+
+__all__ = ["DEFAULTS", "AppSettings", "app_settings", "validate_backend_error_mode"]
+
+logger = logging.getLogger("celery_redislock.config")
+
+#: Library defaults, by app setting name.
+DEFAULTS: Mapping[str, Any] = {
+    "redislock_url": None,
+    "redislock_key_prefix": "redislock",
+    "redislock_ttl": 30.0,
+    "redislock_on_contention": "skip",
+    "redislock_on_backend_error": "fail",
+    "redislock_redis_options": {},
+    "redislock_enabled": True,
+    "redislock_renew_timeout": 0.5,
+    "redislock_backend_error_max_retries": 10,
+}
+
+BACKEND_ERROR_MODES = ("fail", "run")
+
+
+def validate_backend_error_mode(value: Any, where: str) -> str:
+    """Return ``value`` if it is ``"fail"`` or ``"run"``, else raise."""
+    if value not in BACKEND_ERROR_MODES:
+        raise ConfigurationError(f"{where} must be 'fail' or 'run', got {value!r}")
+    return str(value)
+
+
+@dataclass(frozen=True)
+class AppSettings:
+    """The resolved ``redislock_*`` settings of one app."""
+
+    url: str
+    key_prefix: str
+    ttl: float
+    on_contention: ContentionPolicy
+    on_backend_error: str
+    redis_options: Mapping[str, Any]
+    enabled: bool
+    renew_timeout: float
+    backend_error_max_retries: int
+    backend: LockBackend = field(compare=False, repr=False)
+
+
+_CACHE: weakref.WeakKeyDictionary[Celery, AppSettings] = weakref.WeakKeyDictionary()
+_CACHE_GUARD = threading.Lock()
+
+
+def _get(app: Celery, name: str) -> Any:
+    value = app.conf.get(name)
+    return DEFAULTS[name] if value is None else value
+
+
+def _resolve_url(app: Celery) -> str:
+    url = _get(app, "redislock_url")
+    if url is None:
+        broker = app.conf.get("broker_url")
+        if isinstance(broker, str) and broker.startswith(("redis://", "rediss://")):
+            logger.warning(
+                "redislock_url is not set; using the broker URL for locks. "
+                "Set redislock_url explicitly to silence this warning."
+            )
+            return broker
+        raise ConfigurationError(
+            "redislock_url is not set (app.conf.redislock_url = 'redis://host:6379/1', "
+            "or CELERY_REDISLOCK_URL with the CELERY namespace) and the broker is not Redis"
+        )
+    if not isinstance(url, str) or "://" not in url:
+        raise ConfigurationError(f"redislock_url must be a redis:// URL, got {url!r}")
+    return url
+
+
+def _read(app: Celery) -> AppSettings:
+    url = _resolve_url(app)
+    prefix = _get(app, "redislock_key_prefix")
+    if not isinstance(prefix, str) or not prefix:
+        raise ConfigurationError(f"redislock_key_prefix must be a non-empty str, got {prefix!r}")
+    options = _get(app, "redislock_redis_options")
+    if not isinstance(options, Mapping):
+        raise ConfigurationError(f"redislock_redis_options must be a dict, got {options!r}")
+    max_retries = _get(app, "redislock_backend_error_max_retries")
+    if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
+        raise ConfigurationError(
+            f"redislock_backend_error_max_retries must be an int >= 0, got {max_retries!r}"
+        )
+    renew_timeout = validate_ttl(_get(app, "redislock_renew_timeout"), "redislock_renew_timeout")
+    return AppSettings(
+        url=url,
+        key_prefix=prefix,
+        ttl=validate_ttl(_get(app, "redislock_ttl"), "redislock_ttl"),
+        on_contention=resolve_policy(
+            _get(app, "redislock_on_contention"), "redislock_on_contention"
+        ),
+        on_backend_error=validate_backend_error_mode(
+            _get(app, "redislock_on_backend_error"), "redislock_on_backend_error"
+        ),
+        redis_options=dict(options),
+        enabled=bool(_get(app, "redislock_enabled")),
+        renew_timeout=renew_timeout,
+        backend_error_max_retries=max_retries,
+        backend=LockBackend(url, dict(options), renew_timeout=renew_timeout),
+    )
+
+
+def app_settings(app: Celery) -> AppSettings:
+    """Return ``app``'s lock settings, reading them on first use.
+
+    Raises:
+        ConfigurationError: a setting has an unusable value.
+    """
+    settings = _CACHE.get(app)
+    if settings is None:
+        with _CACHE_GUARD:
+            settings = _CACHE.get(app)
+            if settings is None:
+                settings = _read(app)
+                _CACHE[app] = settings
+    return settings
+
+
+def forget_app_settings(app: Celery) -> None:
+    """Drop ``app``'s cached settings, so the next use reads them again."""
+    with _CACHE_GUARD:
+        settings = _CACHE.pop(app, None)
+    if settings is not None:
+        settings.backend.close()

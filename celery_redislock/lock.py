@@ -1,0 +1,430 @@
+"""A held lock (:class:`LockHandle`) and the standalone :class:`RedisLock`."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import redis
+
+from celery_redislock import signals
+from celery_redislock.backend import AcquireResult, LockBackend, ReleaseOutcome, RenewOutcome
+from celery_redislock.exceptions import ConfigurationError, LockContended, LockNotOwned
+from celery_redislock._clock import clock
+from celery_redislock.renewal import renewer
+from celery_redislock.tokens import LockOwner, LockValue
+
+__all__ = ["LockHandle", "RedisLock", "validate_ttl"]
+
+logger = logging.getLogger("celery_redislock.lock")
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# Redis expiry and our clock can drift apart a little; treat the lock as
+# valid locally for slightly less than Redis does (Redlock's drift rule).
+_DRIFT_FACTOR = 0.01
+_DRIFT_FLOOR = 0.002
+
+
+def validate_ttl(ttl: Any, where: str) -> float:
+    """Return ``ttl`` as seconds, or raise :class:`ConfigurationError`."""
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)):
+        raise ConfigurationError(f"{where} must be a number of seconds, got {ttl!r}")
+    if not ttl > 0 or ttl != ttl or ttl == float("inf"):
+        raise ConfigurationError(f"{where} must be a positive, finite number of seconds, got {ttl!r}")
+    if ttl < 0.01:
+        raise ConfigurationError(f"{where} must be at least 0.01 seconds, got {ttl!r}")
+    return float(ttl)
+
+
+class LockHandle:
+    """One acquisition of a lock, from grant to release.
+
+    It is what a running task sees as ``self.lock``. The token (the whole
+    stored value) lives on this object, never in thread-local storage, so the
+    renewer thread and the task's thread act on the same acquisition.
+
+    Attributes:
+        key: Redis key of the lock.
+        value: The exact value stored under ``key`` by this acquisition.
+        ttl: Time to live in seconds; renewed every ``ttl / 3``.
+        task_name: Name of the task (or the lock name outside Celery).
+        task_id: Task id, or ``None`` outside a task.
+        lost_reason: Why the lock was lost (``"gone"``, ``"stolen"``,
+            ``"expired_locally"``), or ``None`` while it is held.
+    """
+
+    def __init__(
+        self,
+        backend: LockBackend,
+        key: str,
+        value: str,
+        ttl: float,
+        granted_at: float,
+        *,
+        task_name: str,
+        task_id: str | None,
+        sender: Any,
+        renew: bool = True,
+    ) -> None:
+        self.backend = backend
+        self.key = key
+        self.value = value
+        self.ttl = ttl
+        self.ttl_ms = max(int(ttl * 1000), 1)
+        self.task_name = task_name
+        self.task_id = task_id
+        self.sender = sender
+        self.acquired_at = granted_at
+        self.renew_period = ttl / 3
+        self.renew_at = granted_at + self.renew_period
+        self.valid_until = self._validity_from(granted_at)
+        self.lost_reason: str | None = None
+        self.released = False
+        self.renewals = 0
+        self._pid = os.getpid()
+        self._renewing = False
+        self._on_lost: list[Callable[[LockHandle], None]] = []
+        if renew:
+            self._renewing = True
+            renewer().register(self)
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else ("lost" if self.lost else "held")
+        return f"<LockHandle {self.key!r} {state}>"
+
+    def _validity_from(self, sent_at: float) -> float:
+        return sent_at + self.ttl * (1 - _DRIFT_FACTOR) - _DRIFT_FLOOR
+
+    @property
+    def lost(self) -> bool:
+        """True once the renewer found the lock gone or taken over."""
+        return self.lost_reason is not None
+
+    @property
+    def owned(self) -> bool:
+        """True while held: not released, not lost, and within its validity.
+
+        This is a local check with no round trip; it turns False as soon as
+        the last confirmed grant or renewal is older than the TTL.
+        """
+        return not self.released and not self.lost and clock() < self.valid_until
+
+    @property
+    def held_for(self) -> float:
+        """Seconds since the lock was granted."""
+        return clock() - self.acquired_at
+
+    def on_lost(self, callback: Callable[[LockHandle], None]) -> None:
+        """Call ``callback(handle)`` from the renewer thread if the lock is lost.
+
+        The callback must not block; exceptions it raises are logged.
+        """
+        self._on_lost.append(callback)
+
+    def _renewed(self, sent_at: float) -> None:
+        if self.released or self.lost:
+            return
+        self.renewals += 1
+        self.valid_until = self._validity_from(sent_at)
+        self.renew_at = sent_at + self.renew_period
+        signals.lock_renewed.send(
+            sender=self.sender,
+            key=self.key,
+            task_name=self.task_name,
+            task_id=self.task_id,
+            held=self.held_for,
+        )
+
+    def _mark_lost(self, reason: str) -> None:
+        if self.released or self.lost:
+            return
+        self.lost_reason = reason
+        renewer().unregister(self)
+        self._renewing = False
+        logger.error(
+            "lock %s of %s[%s] was lost (%s) after %.3fs; another execution may now run",
+            self.key,
+            self.task_name,
+            self.task_id,
+            reason,
+            self.held_for,
+        )
+        signals.lock_lost.send(
+            sender=self.sender,
+            key=self.key,
+            task_name=self.task_name,
+            task_id=self.task_id,
+            reason=reason,
+            held=self.held_for,
+        )
+        for callback in self._on_lost:
+            try:
+                callback(self)
+            except Exception:
+                logger.exception("lock-lost callback %r raised", callback)
+
+    def extend(self, ttl: float | None = None) -> None:
+        """Reset the lock's TTL now (to ``ttl`` seconds, default the lock's TTL).
+
+        Raises:
+            LockNotOwned: the lock is no longer ours (it is marked lost).
+            LockBackendError: Redis is unreachable.
+        """
+        if self.released:
+            raise LockNotOwned(self.key, "it was released")
+        if ttl is not None:
+            self.ttl = validate_ttl(ttl, "ttl")
+            self.ttl_ms = max(int(self.ttl * 1000), 1)
+            self.renew_period = self.ttl / 3
+        sent_at = clock()
+        outcome = self.backend.extend(self.key, self.value, self.ttl_ms)
+        if outcome is RenewOutcome.RENEWED:
+            self.valid_until = self._validity_from(sent_at)
+            self.renew_at = sent_at + self.renew_period
+            return
+        self._mark_lost("gone" if outcome is RenewOutcome.GONE else "stolen")
+        raise LockNotOwned(self.key, f"it is {self.lost_reason}")
+
+    def release(self) -> ReleaseOutcome | None:
+        """Release the lock; never raises.
+
+        The handle leaves the renewer *before* the release is sent, so a
+        renewal can never outlive it. Calling it twice is harmless.
+
+        Returns:
+            What Redis found, or ``None`` if nothing was sent (already
+            released, another process, or Redis unreachable: the TTL then
+            frees the lock).
+        """
+        if self.released:
+            return None
+        if self._pid != os.getpid():
+            logger.warning(
+                "not releasing lock %s from pid %d: it was acquired by pid %d",
+                self.key,
+                os.getpid(),
+                self._pid,
+            )
+            return None
+        self.released = True
+        if self._renewing:
+            renewer().unregister(self)
+        try:
+            outcome = self.backend.release(self.key, self.value)
+        except Exception as exc:
+            logger.error(
+                "could not release lock %s of %s[%s]; it expires within %.1fs: %s",
+                self.key,
+                self.task_name,
+                self.task_id,
+                self.ttl,
+                exc,
+            )
+            return None
+        if outcome is ReleaseOutcome.NOT_OURS:
+            logger.warning(
+                "lock %s of %s[%s] was no longer ours at release (held %.3fs); "
+                "another holder has it and was left alone",
+                self.key,
+                self.task_name,
+                self.task_id,
+                self.held_for,
+            )
+        elif outcome is ReleaseOutcome.ALREADY_GONE and not self.lost:
+            logger.warning(
+                "lock %s of %s[%s] had already expired at release (held %.3fs)",
+                self.key,
+                self.task_name,
+                self.task_id,
+                self.held_for,
+            )
+        signals.lock_released.send(
+            sender=self.sender,
+            key=self.key,
+            task_name=self.task_name,
+            task_id=self.task_id,
+            held=self.held_for,
+            outcome=outcome.name.lower(),
+        )
+        return outcome
+
+
+class RedisLock:
+    """A token-owned, renewed Redis lock for code outside Celery tasks.
+
+    It uses the same scripts and the same renewer as the task lock::
+
+        lock = RedisLock(redis.Redis(), "reports:daily", ttl=30)
+        with lock:
+            build_report()
+
+        @RedisLock(client, "reports:daily")
+        def build_report(): ...
+
+    Args:
+        client: A ``redis.Redis`` client.
+        name: The Redis key of the lock, used as is.
+        ttl: Time to live in seconds; the lock is renewed every ``ttl/3``
+            while held when ``renew`` is true.
+        renew: Keep the lock alive from the process's renewer thread.
+        blocking: Default for :meth:`acquire` (and ``with``/decorator use).
+        timeout: Default longest wait in seconds for a blocking acquire
+            (``None``: wait as long as it takes).
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        name: str,
+        ttl: float = 30.0,
+        renew: bool = True,
+        *,
+        blocking: bool = True,
+        timeout: float | None = None,
+    ) -> None:
+        if not isinstance(name, str) or not name:
+            raise ConfigurationError(f"RedisLock name must be a non-empty str, got {name!r}")
+        self.name = name
+        self.ttl = validate_ttl(ttl, "RedisLock ttl")
+        self.renew = renew
+        self.blocking = blocking
+        self.timeout = timeout
+        self.backend = LockBackend(client=client)
+        self.handle: LockHandle | None = None
+        self._last_contention = AcquireResult(False)
+
+    def __repr__(self) -> str:
+        return f"<RedisLock {self.name!r} {'held' if self.owned else 'free'}>"
+
+    @property
+    def owned(self) -> bool:
+        """True while this object holds the lock (local check, no round trip)."""
+        return self.handle is not None and self.handle.owned
+
+    @property
+    def lost(self) -> bool:
+        """True when the renewer found the lock gone or taken over while held."""
+        return self.handle is not None and self.handle.lost
+
+    def acquire(self, blocking: bool | None = None, timeout: float | None = None) -> bool:
+        """Take the lock.
+
+        Args:
+            blocking: Wait for the holder to release (woken by its release
+                notification, not by polling). Defaults to the constructor's.
+            timeout: Longest wait in seconds when blocking (default: the
+                constructor's; ``None`` waits as long as it takes).
+
+        Returns:
+            True if acquired, False if not (non-blocking, or timed out).
+
+        Raises:
+            LockBackendError: Redis is unreachable.
+            RuntimeError: this object already holds the lock.
+        """
+        if self.handle is not None and not self.handle.released:
+            raise RuntimeError(f"RedisLock {self.name!r} is already held by this object")
+        blocking = self.blocking if blocking is None else blocking
+        timeout = self.timeout if timeout is None else timeout
+        value = LockValue.new(LockOwner.current(None, 0, None), self.name).encode()
+        ttl_ms = max(int(self.ttl * 1000), 1)
+        started = clock()
+        if not blocking:
+            result = self.backend.acquire(self.name, value, ttl_ms)
+        else:
+            result = self._acquire_blocking(value, ttl_ms, timeout)
+        if not result.acquired:
+            self._contended(result)
+            return False
+        self.handle = LockHandle(
+            self.backend,
+            self.name,
+            value,
+            self.ttl,
+            result.sent_at,
+            task_name=self.name,
+            task_id=None,
+            sender=self,
+            renew=self.renew,
+        )
+        signals.lock_acquired.send(
+            sender=self,
+            key=self.name,
+            task_name=self.name,
+            task_id=None,
+            waited=clock() - started,
+            fence=None,
+        )
+        return True
+
+    def _acquire_blocking(self, value: str, ttl_ms: int, timeout: float | None) -> AcquireResult:
+        if timeout is not None:
+            return self.backend.acquire_waiting(self.name, value, ttl_ms, timeout)
+        while True:  # wait as long as it takes, in bounded slices
+            result = self.backend.acquire_waiting(self.name, value, ttl_ms, 60.0)
+            if result.acquired:
+                return result
+
+    def _contended(self, result: AcquireResult) -> None:
+        signals.lock_contended.send(
+            sender=self,
+            key=self.name,
+            task_name=self.name,
+            task_id=None,
+            holder_task_id=result.holder_task_id,
+            ttl_remaining=result.ttl_remaining,
+            policy="not_acquired",
+        )
+        self._last_contention = result
+
+    def release(self) -> ReleaseOutcome | None:
+        """Release the lock if held; never raises. See :meth:`LockHandle.release`."""
+        if self.handle is None:
+            return None
+        handle, self.handle = self.handle, None
+        return handle.release()
+
+    def extend(self, ttl: float | None = None) -> None:
+        """Reset the TTL now. See :meth:`LockHandle.extend`.
+
+        Raises:
+            LockNotOwned: the lock is not held by this object.
+        """
+        if self.handle is None:
+            raise LockNotOwned(self.name, "it is not held by this object")
+        self.handle.extend(ttl)
+
+    def __enter__(self) -> RedisLock:
+        if not self.acquire():
+            last = self._last_contention
+            raise LockContended(self.name, last.holder_task_id, last.ttl_remaining)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+    def __call__(self, function: F) -> F:
+        """Use the lock as a decorator: each call runs while holding it.
+
+        The decorated function uses a fresh :class:`RedisLock` per call, so
+        concurrent calls from several threads each wait for the lock.
+        """
+
+        @functools.wraps(function)
+        def locked(*args: Any, **kwargs: Any) -> Any:
+            lock = RedisLock(
+                self.backend.client,
+                self.name,
+                self.ttl,
+                self.renew,
+                blocking=self.blocking,
+                timeout=self.timeout,
+            )
+            with lock:
+                return function(*args, **kwargs)
+
+        return locked  # type: ignore[return-value]

@@ -1,0 +1,238 @@
+"""What a task does when its lock is held by someone else.
+
+A policy is a small object with one method, :meth:`ContentionPolicy.handle`,
+which gets a :class:`Contention` describing the situation and either
+
+* returns :data:`LOCK_ACQUIRED` (the lock is ours now: run the body),
+* returns a value (the task's result; the body does not run), or
+* raises (``celery.exceptions.Retry`` via :meth:`Contention.retry`, or
+  :class:`LockContended`).
+
+Policies compose: ``Wait(timeout=5, then=Retry(then=Skip()))``. The strings
+``"skip"``, ``"retry"``, ``"raise"`` and ``"wait"`` are shorthands for the
+default-configured objects.
+"""
+
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+from celery_redislock.exceptions import ConfigurationError, LockContended
+
+__all__ = [
+    "LOCK_ACQUIRED",
+    "SKIPPED_MARKER",
+    "Contention",
+    "ContentionPolicy",
+    "Raise",
+    "Retry",
+    "Skip",
+    "Wait",
+    "is_skipped",
+    "resolve_policy",
+    "skipped_result",
+]
+
+
+class _Acquired:
+    def __repr__(self) -> str:
+        return "LOCK_ACQUIRED"
+
+
+#: Returned by a policy that managed to take the lock after all.
+LOCK_ACQUIRED: Any = _Acquired()
+
+#: Key that marks a skip result; its value is always ``"skipped"``.
+SKIPPED_MARKER = "__redislock__"
+
+
+def skipped_result(key: str, task_name: str, holder_task_id: str | None) -> dict[str, Any]:
+    """Return the JSON-serialisable result of a skipped execution.
+
+    It is a dict ``{"__redislock__": "skipped", "key": ..., "task": ...,
+    "holder": <holder task id or None>}``; test for it with
+    :func:`is_skipped`.
+    """
+    return {SKIPPED_MARKER: "skipped", "key": key, "task": task_name, "holder": holder_task_id}
+
+
+def is_skipped(value: Any) -> bool:
+    """Return True if ``value`` is the result of a skipped execution."""
+    return isinstance(value, dict) and value.get(SKIPPED_MARKER) == "skipped"
+
+
+@dataclass
+class Contention:
+    """What a policy knows about one failed acquisition, and what it may do.
+
+    Attributes:
+        key: Redis key of the lock.
+        task_name: Name of the contending task.
+        task_id: Id of the contending task.
+        holder_task_id: Id of the task holding the lock (``None`` if unknown).
+        ttl_remaining: Seconds left on the holder's lock (``None`` if unknown).
+        redelivered: The broker redelivered this message.
+        lock_retries: How many times this execution was already retried
+            because of contention (counted apart from ``max_retries``).
+        wait_for_lock: ``wait_for_lock(timeout)`` waits up to ``timeout``
+            seconds for the lock and returns True once it is ours.
+        retry_later: ``retry_later(countdown, exc)`` re-sends the task to run
+            again in ``countdown`` seconds and raises Celery's ``Retry``.
+    """
+
+    key: str
+    task_name: str
+    task_id: str | None
+    holder_task_id: str | None
+    ttl_remaining: float | None
+    redelivered: bool
+    lock_retries: int
+    wait_for_lock: Callable[[float], bool] = field(repr=False)
+    retry_later: Callable[[float, BaseException], NoReturn] = field(repr=False)
+
+    def error(self) -> LockContended:
+        """Return the :class:`LockContended` error describing this contention."""
+        return LockContended(self.key, self.holder_task_id, self.ttl_remaining)
+
+
+class ContentionPolicy(ABC):
+    """Base class of contention policies."""
+
+    #: Short name, used in logs and in the ``lock_contended`` signal.
+    name: str = "custom"
+
+    @abstractmethod
+    def handle(self, contention: Contention) -> Any:
+        """Decide what happens; see the module docstring for the contract."""
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({fields})"
+
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other) and vars(self) == vars(other)
+
+    def __hash__(self) -> int:
+        return hash(type(self))
+
+
+class Skip(ContentionPolicy):
+    """Do not run the body; return :func:`skipped_result` (state SUCCESS)."""
+
+    name = "skip"
+
+    def handle(self, contention: Contention) -> Any:
+        return skipped_result(contention.key, contention.task_name, contention.holder_task_id)
+
+
+class Raise(ContentionPolicy):
+    """Fail the task with :class:`LockContended` (state FAILURE)."""
+
+    name = "raise"
+
+    def handle(self, contention: Contention) -> Any:
+        raise contention.error()
+
+
+class Retry(ContentionPolicy):
+    """Re-send the task to run later, with a retry budget of its own.
+
+    Lock retries do not count against the task's ``max_retries``; they are
+    counted in a message header instead.
+
+    Args:
+        countdown: Seconds until the retry; ``None`` uses the holder's
+            remaining TTL (when the lock is free at the latest, even if the
+            holder died), or 1 s if that is unknown.
+        max_retries: Lock retries allowed before ``then`` decides.
+        jitter: Up to this many random seconds are added to the countdown, so
+            many duplicates do not all come back at the same instant.
+        then: Policy used once the budget is spent (default: :class:`Raise`,
+            so the execution ends visibly in FAILURE, never silently).
+    """
+
+    name = "retry"
+
+    def __init__(
+        self,
+        countdown: float | None = None,
+        max_retries: int = 10,
+        jitter: float = 1.0,
+        then: ContentionPolicy | str | None = None,
+    ) -> None:
+        if countdown is not None and countdown < 0:
+            raise ConfigurationError(f"Retry countdown must be >= 0, got {countdown!r}")
+        if max_retries < 0:
+            raise ConfigurationError(f"Retry max_retries must be >= 0, got {max_retries!r}")
+        if jitter < 0:
+            raise ConfigurationError(f"Retry jitter must be >= 0, got {jitter!r}")
+        self.countdown = countdown
+        self.max_retries = max_retries
+        self.jitter = jitter
+        self.then = resolve_policy(then) if then is not None else Raise()
+
+    def countdown_for(self, contention: Contention) -> float:
+        """Return the countdown (seconds) for this contention."""
+        base = self.countdown
+        if base is None:
+            base = contention.ttl_remaining if contention.ttl_remaining is not None else 1.0
+        return base + (random.uniform(0, self.jitter) if self.jitter else 0.0)
+
+    def handle(self, contention: Contention) -> Any:
+        if contention.lock_retries >= self.max_retries:
+            return self.then.handle(contention)
+        contention.retry_later(self.countdown_for(contention), contention.error())
+
+
+class Wait(ContentionPolicy):
+    """Block in the worker until the lock is released, up to ``timeout``.
+
+    The waiter is woken by the holder's release notification (pub/sub), not
+    by polling, and at the latest when the holder's TTL runs out.
+
+    Args:
+        timeout: Longest wait in seconds.
+        then: Policy used if the lock is still held after ``timeout``
+            (default: :class:`Retry`).
+    """
+
+    name = "wait"
+
+    def __init__(self, timeout: float = 10.0, then: ContentionPolicy | str | None = None) -> None:
+        if timeout < 0:
+            raise ConfigurationError(f"Wait timeout must be >= 0, got {timeout!r}")
+        self.timeout = timeout
+        self.then = resolve_policy(then) if then is not None else Retry()
+
+    def handle(self, contention: Contention) -> Any:
+        if contention.wait_for_lock(self.timeout):
+            return LOCK_ACQUIRED
+        return self.then.handle(contention)
+
+
+_SHORTHANDS: dict[str, Callable[[], ContentionPolicy]] = {
+    "skip": Skip,
+    "retry": Retry,
+    "raise": Raise,
+    "wait": Wait,
+}
+
+
+def resolve_policy(value: ContentionPolicy | str, where: str = "lock_on_contention") -> ContentionPolicy:
+    """Turn a policy or its shorthand name into a policy object.
+
+    Raises:
+        ConfigurationError: unknown name or wrong type.
+    """
+    if isinstance(value, ContentionPolicy):
+        return value
+    if isinstance(value, str) and value.lower() in _SHORTHANDS:
+        return _SHORTHANDS[value.lower()]()
+    raise ConfigurationError(
+        f"{where} must be one of {', '.join(map(repr, _SHORTHANDS))} or a ContentionPolicy "
+        f"object (Skip(), Retry(...), Raise(), Wait(...)), got {value!r}"
+    )

@@ -1,0 +1,201 @@
+"""One renewer thread per process keeps every held lock alive.
+
+Each held lock is renewed every TTL/3, which gives two more chances before it
+could expire. All locks that are due (or at least half-way to due) in one
+wake-up are renewed together: one round trip per lock store, whatever their
+number. A task shorter than TTL/3 therefore causes no renewal traffic.
+
+The thread is started lazily on the first registration in a process, is a
+native OS thread even under gevent monkey-patching (a greenlet would starve
+behind CPU-bound tasks), and is never inherited by a forked child: after a
+fork the child starts with an empty registry, so it never renews its
+parent's locks.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any
+
+from celery_redislock._clock import clock
+from celery_redislock.backend import LockBackend, RenewOutcome
+from celery_redislock.exceptions import LockBackendError
+
+if TYPE_CHECKING:
+    from celery_redislock.lock import LockHandle
+
+__all__ = ["Renewer", "renewer"]
+
+logger = logging.getLogger("celery_redislock.renewal")
+
+#: Longest sleep when nothing is due, so a stuck wake-up heals by itself.
+_IDLE_WAKE = 30.0
+
+
+def _native(module: str, name: str) -> Any:
+    """Return the unpatched ``module.name`` even under gevent monkey-patching."""
+    try:
+        from gevent import monkey
+    except ImportError:
+        pass
+    else:
+        if monkey.is_module_patched(module):
+            return monkey.get_original(module, name)
+    return getattr(importlib.import_module(module), name)
+
+
+class Renewer:
+    """Keeps registered :class:`LockHandle` objects alive from one thread."""
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        allocate_lock = _native("_thread", "allocate_lock")
+        self._mutex = allocate_lock()
+        # An auto-reset event: released to wake the thread, re-acquired by it.
+        self._wake = allocate_lock()
+        self._wake.acquire()
+        self._handles: dict[int, LockHandle] = {}
+        self._pid = os.getpid()
+        self._running = False
+        self._next_due: float | None = None
+        #: Clock reading of the last loop iteration (a liveness heartbeat).
+        self.heartbeat: float | None = None
+        #: Number of renewal round trips made (for tests and benchmarks).
+        self.round_trips = 0
+
+    # -- fork handling -----------------------------------------------------
+
+    def _before_fork(self) -> None:
+        self._mutex.acquire()
+
+    def _after_fork_in_parent(self) -> None:
+        self._mutex.release()
+
+    def _after_fork_in_child(self) -> None:
+        self._reset()
+
+    # -- registry ------------------------------------------------------------
+
+    def register(self, handle: LockHandle) -> None:
+        """Start keeping ``handle`` alive (starts the thread if needed)."""
+        if self._pid != os.getpid():
+            self._reset()
+        with self._mutex:
+            self._handles[id(handle)] = handle
+            wake = self._next_due is None or handle.renew_at < self._next_due
+            self._ensure_running()
+        if wake:
+            self._notify()
+
+    def unregister(self, handle: LockHandle) -> None:
+        """Stop renewing ``handle``; a reply in flight for it is ignored."""
+        with self._mutex:
+            self._handles.pop(id(handle), None)
+
+    @property
+    def held(self) -> int:
+        """Number of locks currently kept alive by this process."""
+        return len(self._handles)
+
+    @property
+    def alive(self) -> bool:
+        """True while the renewer thread runs."""
+        return self._running
+
+    def _notify(self) -> None:
+        try:
+            self._wake.release()
+        except RuntimeError:
+            pass  # already woken
+
+    def _ensure_running(self) -> None:
+        if self._running:
+            return
+        self._running = True
+        start_new_thread = _native("_thread", "start_new_thread")
+        start_new_thread(self._run, ())
+
+    # -- the thread ------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                timeout = self._tick()
+                if timeout is None:
+                    return
+                self._wake.acquire(timeout=max(timeout, 0.0))
+        finally:
+            self._running = False
+
+    def _tick(self) -> float | None:
+        """Renew what is due; return how long to sleep, or None to exit."""
+        if self._pid != os.getpid():
+            return None  # a forked copy of the thread state; never run here
+        now = clock()
+        self.heartbeat = now
+        with self._mutex:
+            handles = list(self._handles.values())
+        due = [h for h in handles if h.renew_at - h.renew_period / 2 <= now]
+        if due:
+            try:
+                self._renew(due)
+            except Exception:
+                # Never let the thread die: one bad tick must not stop the
+                # renewal of every other lock in the process.
+                logger.exception("lock renewal tick failed; continuing")
+            now = clock()
+        with self._mutex:
+            pending = [h.renew_at for h in self._handles.values()]
+            self._next_due = min(pending) if pending else None
+        if self._next_due is None:
+            return _IDLE_WAKE
+        return min(self._next_due - now, _IDLE_WAKE)
+
+    def _renew(self, due: list[LockHandle]) -> None:
+        groups: dict[LockBackend, list[LockHandle]] = defaultdict(list)
+        for handle in due:
+            groups[handle.backend].append(handle)
+        for backend, handles in groups.items():
+            self._renew_group(backend, handles)
+
+    def _renew_group(self, backend: LockBackend, handles: list[LockHandle]) -> None:
+        sent_at = clock()
+        items = [(h.key, h.value, h.ttl_ms) for h in handles]
+        try:
+            self.round_trips += 1
+            outcomes = backend.renew_many(items)
+        except LockBackendError as exc:
+            now = clock()
+            logger.warning("could not renew %d lock(s): %s", len(handles), exc)
+            for handle in handles:
+                if now >= handle.valid_until:
+                    handle._mark_lost("expired_locally")
+                else:
+                    # Try again soon, while the lock is still valid.
+                    handle.renew_at = now + min(handle.renew_period / 4, 1.0)
+            return
+        for handle, outcome in zip(handles, outcomes):
+            if outcome is RenewOutcome.RENEWED:
+                handle._renewed(sent_at)
+            elif outcome is RenewOutcome.GONE:
+                handle._mark_lost("gone")
+            else:
+                handle._mark_lost("stolen")
+
+
+_RENEWER = Renewer()
+os.register_at_fork(
+    before=_RENEWER._before_fork,
+    after_in_parent=_RENEWER._after_fork_in_parent,
+    after_in_child=_RENEWER._after_fork_in_child,
+)
+
+
+def renewer() -> Renewer:
+    """Return this process's renewer."""
+    return _RENEWER

@@ -1,0 +1,463 @@
+"""The Celery wiring: where the lock is taken, released and backed up.
+
+* :meth:`SingletonTaskMixin.__call__` takes the lock before the body and
+  releases it in a ``finally``, in one stack frame. Celery calls an
+  overridden ``__call__`` for every execution, eager or in a worker, and the
+  ``finally`` runs for every outcome inside the process: success, exception,
+  ``self.retry()``, ``Ignore``, ``Reject``, ``SoftTimeLimitExceeded`` and the
+  ``SystemExit`` that revoke-with-terminate, cold shutdown and the hard time
+  limit's SIGTERM raise in a pool child. It runs before Celery stores the
+  result, so ``result.get()`` returning means the lock is free.
+* :class:`SingletonRequest` runs in the worker's parent process. When a pool
+  child dies holding a lock (SIGKILL, OOM, the SIGKILL that follows a hard
+  time limit), the parent releases it by owner prefix (task id, attempt,
+  node, pid: see ``tokens.py``), which can never match a later attempt.
+* A whole worker killed at once is covered by the TTL (30 s by default),
+  which renewal keeps alive only while the holder's process lives.
+
+Direct calls (``task(x)``) are plain function calls, as in Celery, and take
+no lock; ``task.apply()`` and ``task_always_eager`` do lock.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import random
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from billiard.exceptions import SoftTimeLimitExceeded, Terminated, TimeLimitExceeded, WorkerLostError
+from celery import Task
+from celery.exceptions import Reject
+from celery.exceptions import Retry as CeleryRetry
+from celery.worker.request import Request
+
+from celery_redislock import signals
+from celery_redislock._clock import clock
+from celery_redislock.backend import AcquireResult, ReleaseOutcome
+from celery_redislock.config import AppSettings, app_settings, validate_backend_error_mode
+from celery_redislock.exceptions import ConfigurationError, LockBackendError
+from celery_redislock.keys import bind_lock_arguments, custom_key, task_key, validate_lock_args
+from celery_redislock.lock import LockHandle, validate_ttl
+from celery_redislock.policies import (
+    LOCK_ACQUIRED,
+    Contention,
+    ContentionPolicy,
+    Retry,
+    Skip,
+    resolve_policy,
+)
+from celery_redislock.tokens import LockOwner, LockValue
+
+__all__ = [
+    "BACKEND_RETRIES_HEADER",
+    "LOCK_RETRIES_HEADER",
+    "SingletonRequest",
+    "SingletonTask",
+    "SingletonTaskMixin",
+]
+
+logger = logging.getLogger("celery_redislock.task")
+
+#: Message header counting retries caused by contention.
+LOCK_RETRIES_HEADER = "redislock_lock_retries"
+#: Message header counting retries caused by an unreachable lock store.
+BACKEND_RETRIES_HEADER = "redislock_backend_retries"
+
+# Parent-side release happens only for outcomes where the child may not have
+# reached (or finished) its own ``finally``.
+_ABNORMAL_EXITS = (
+    WorkerLostError,
+    TimeLimitExceeded,
+    SoftTimeLimitExceeded,
+    Terminated,
+    SystemExit,
+    KeyboardInterrupt,
+)
+
+if TYPE_CHECKING:
+    _TaskBase = Task[Any, Any]
+else:
+    _TaskBase = object
+
+
+def _run_signature(cls: type) -> inspect.Signature | None:
+    """Return the signature of ``cls.run`` without ``self``, or None if abstract."""
+    for klass in cls.__mro__:
+        if "run" in vars(klass):
+            attribute = vars(klass)["run"]
+            break
+    else:
+        return None
+    if klass is Task:
+        return None
+    if isinstance(attribute, staticmethod):
+        return inspect.signature(attribute.__func__)
+    signature = inspect.signature(attribute)
+    return signature.replace(parameters=list(signature.parameters.values())[1:])
+
+
+class _TaskLockSettings:
+    """Task attributes merged over one app's settings."""
+
+    def __init__(self, task: SingletonTaskMixin, app: AppSettings) -> None:
+        self.app = app
+        self.backend = app.backend
+        self.enabled = app.enabled if task.lock_enabled is None else bool(task.lock_enabled)
+        self.ttl = app.ttl if task.lock_ttl is None else float(task.lock_ttl)
+        self.ttl_ms = max(int(self.ttl * 1000), 1)
+        self.policy = (
+            app.on_contention
+            if task.lock_on_contention is None
+            else resolve_policy(task.lock_on_contention)
+        )
+        self.on_backend_error = (
+            app.on_backend_error
+            if task.lock_on_backend_error is None
+            else task.lock_on_backend_error
+        )
+
+
+class SingletonTaskMixin(_TaskBase):
+    """Makes a Celery task a singleton per lock key; combine with any Task base.
+
+    Attributes set on the class or as ``@app.task(...)`` options; ``None``
+    inherits the app setting of the same meaning (see the README).
+
+    Attributes:
+        lock_args: Names of the ``run`` parameters that make up the key;
+            ``None`` uses all of them, ``()`` the task name alone.
+        lock_key: ``callable(args, kwargs) -> str`` giving the key yourself;
+            tasks returning the same string share one lock.
+        lock_ttl: Lock time to live in seconds (renewed every ``ttl/3``).
+        lock_on_contention: ``"skip"``, ``"retry"``, ``"raise"``, ``"wait"``
+            or a :class:`~celery_redislock.policies.ContentionPolicy`.
+        lock_on_backend_error: ``"fail"`` (do not run unprotected: retry with
+            backoff) or ``"run"`` (run without the lock, with a WARNING).
+        lock_enabled: False turns the lock off for this task.
+    """
+
+    lock_args: Sequence[str] | None = None
+    lock_key: Callable[[tuple[Any, ...], dict[str, Any]], str] | None = None
+    lock_ttl: float | None = None
+    lock_on_contention: str | ContentionPolicy | None = None
+    lock_on_backend_error: str | None = None
+    lock_enabled: bool | None = None
+
+    #: The worker's request class; it adds the parent-side release.
+    Request = "celery_redislock.task:SingletonRequest"
+
+    _redislock_signature: inspect.Signature | None = None
+    _redislock_settings: tuple[AppSettings, _TaskLockSettings] | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        where = f"task {vars(cls).get('name') or cls.__qualname__}"
+        cls._redislock_signature = _run_signature(cls)
+        if cls.lock_ttl is not None:
+            validate_ttl(cls.lock_ttl, f"{where}: lock_ttl")
+        if cls.lock_on_contention is not None:
+            resolve_policy(cls.lock_on_contention, f"{where}: lock_on_contention")
+        if cls.lock_on_backend_error is not None:
+            validate_backend_error_mode(cls.lock_on_backend_error, f"{where}: lock_on_backend_error")
+        if cls.lock_key is not None and not callable(cls.lock_key):
+            raise ConfigurationError(f"{where}: lock_key must be callable, got {cls.lock_key!r}")
+        if cls.lock_key is not None and cls.lock_args is not None:
+            raise ConfigurationError(f"{where}: set lock_args or lock_key, not both")
+        if cls.lock_args is not None and cls._redislock_signature is not None:
+            validate_lock_args(cls._redislock_signature, cls.lock_args, where)
+
+    # -- public helpers ----------------------------------------------------------
+
+    @property
+    def lock(self) -> LockHandle | None:
+        """The lock held by the running execution (``None`` when unlocked).
+
+        ``self.lock.lost`` turns True if the renewer finds the lock gone or
+        taken over; ``self.lock.owned`` is a zero-round-trip validity check.
+        """
+        return getattr(self.request, "redislock", None)
+
+    def lock_key_for(self, args: Sequence[Any], kwargs: dict[str, Any]) -> str:
+        """Return the lock key of a call with ``args`` and ``kwargs``.
+
+        Raises:
+            LockKeyError: the arguments cannot be encoded into a key.
+        """
+        settings = self._lock_settings()
+        prefix = settings.app.key_prefix
+        key_function = type(self).lock_key
+        if key_function is not None:
+            return custom_key(prefix, key_function, args, kwargs or {}, self.name)
+        signature = self._redislock_signature or inspect.signature(self.run)
+        lock_args = None if self.lock_args is None else tuple(self.lock_args)
+        arguments = bind_lock_arguments(signature, args, kwargs or {}, lock_args, self.name)
+        return task_key(prefix, self.name, arguments)
+
+    def _lock_settings(self) -> _TaskLockSettings:
+        app = app_settings(self.app)
+        cached = self._redislock_settings
+        if cached is None or cached[0] is not app:
+            cached = (app, _TaskLockSettings(self, app))
+            self._redislock_settings = cached
+        return cached[1]
+
+    # -- the execution ---------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        request = self.request
+        if request.called_directly:
+            return super().__call__(*args, **kwargs)
+        settings = self._lock_settings()
+        if not settings.enabled:
+            return super().__call__(*args, **kwargs)
+        outcome = self._take_lock(settings, args, kwargs)
+        if not isinstance(outcome, LockHandle) and outcome is not None:
+            return outcome.result
+        request.redislock = outcome
+        try:
+            return super().__call__(*args, **kwargs)
+        finally:
+            request.redislock = None
+            if outcome is not None:
+                outcome.release()
+
+    def _take_lock(
+        self, settings: _TaskLockSettings, args: Sequence[Any], kwargs: dict[str, Any]
+    ) -> LockHandle | _Result | None:
+        """Return the held lock, a result to return instead of running, or None.
+
+        None means "run unprotected" (lock store down, ``on_backend_error="run"``).
+        """
+        request = self.request
+        key = self.lock_key_for(args, kwargs)
+        owner = LockOwner.current(request.id, request.retries or 0, request.hostname)
+        value = LockValue.new(owner, self.name).encode()
+        started = clock()
+        try:
+            result = settings.backend.acquire(key, value, settings.ttl_ms)
+        except LockBackendError as exc:
+            return self._on_backend_error(settings, key, exc)
+        if result.acquired:
+            return self._granted(settings, key, value, result, started)
+
+        granted: list[AcquireResult] = []
+
+        def wait_for_lock(timeout: float) -> bool:
+            waited = settings.backend.acquire_waiting(key, value, settings.ttl_ms, timeout)
+            if waited.acquired:
+                granted.append(waited)
+            return waited.acquired
+
+        headers = dict(request.headers or {})
+        contention = Contention(
+            key=key,
+            task_name=self.name,
+            task_id=request.id,
+            holder_task_id=result.holder_task_id,
+            ttl_remaining=result.ttl_remaining,
+            redelivered=bool((request.delivery_info or {}).get("redelivered")),
+            lock_retries=int(headers.get(LOCK_RETRIES_HEADER) or 0),
+            wait_for_lock=wait_for_lock,
+            retry_later=lambda countdown, exc: self._resend(
+                countdown, exc, {LOCK_RETRIES_HEADER: int(headers.get(LOCK_RETRIES_HEADER) or 0) + 1}
+            ),
+        )
+        policy = settings.policy
+        if isinstance(policy, Skip) and (
+            contention.redelivered or contention.holder_task_id == request.id
+        ):
+            # A redelivered copy may be the only surviving one (its first
+            # run died holding the lock): retry it, never drop it.
+            policy = Retry()
+        logger.info(
+            "%s[%s] not running: lock %s is held by %s (expires in %s s); policy %s",
+            self.name,
+            request.id,
+            key,
+            contention.holder_task_id or "an unknown holder",
+            "?" if result.ttl_remaining is None else f"{result.ttl_remaining:.3f}",
+            policy.name,
+        )
+        signals.lock_contended.send(
+            sender=self,
+            key=key,
+            task_name=self.name,
+            task_id=request.id,
+            holder_task_id=contention.holder_task_id,
+            ttl_remaining=result.ttl_remaining,
+            policy=policy.name,
+        )
+        decision = policy.handle(contention)
+        if decision is LOCK_ACQUIRED:
+            return self._granted(settings, key, value, granted[-1], started)
+        return _Result(decision)
+
+    def _granted(
+        self,
+        settings: _TaskLockSettings,
+        key: str,
+        value: str,
+        result: AcquireResult,
+        started: float,
+    ) -> LockHandle:
+        handle = LockHandle(
+            settings.backend,
+            key,
+            value,
+            settings.ttl,
+            result.sent_at,
+            task_name=self.name,
+            task_id=self.request.id,
+            sender=self,
+        )
+        signals.lock_acquired.send(
+            sender=self,
+            key=key,
+            task_name=self.name,
+            task_id=self.request.id,
+            waited=clock() - started,
+            fence=None,
+        )
+        return handle
+
+    def _on_backend_error(
+        self, settings: _TaskLockSettings, key: str, exc: LockBackendError
+    ) -> None:
+        request = self.request
+        if settings.on_backend_error == "run":
+            logger.warning(
+                "%s[%s] runs WITHOUT its lock %s (lock_on_backend_error='run'): %s",
+                self.name,
+                request.id,
+                key,
+                exc,
+            )
+            return None
+        attempts = int((request.headers or {}).get(BACKEND_RETRIES_HEADER) or 0)
+        if attempts >= settings.app.backend_error_max_retries:
+            logger.error(
+                "%s[%s] gives up after %d retries: lock store unreachable: %s",
+                self.name,
+                request.id,
+                attempts,
+                exc,
+            )
+            raise exc
+        countdown = min(2.0**attempts, 60.0) * random.uniform(0.5, 1.0)
+        logger.warning(
+            "%s[%s] will retry in %.1fs (lock store error %d of %d): %s",
+            self.name,
+            request.id,
+            countdown,
+            attempts + 1,
+            settings.app.backend_error_max_retries,
+            exc,
+        )
+        self._resend(countdown, exc, {BACKEND_RETRIES_HEADER: attempts + 1})
+
+    def _resend(self, countdown: float, exc: BaseException, counters: dict[str, int]) -> NoReturn:
+        """Re-send this execution to run in ``countdown`` seconds, then raise Retry.
+
+        Unlike ``self.retry()``, ``retries`` is not incremented: a lock retry
+        must not spend the task's own ``max_retries``. The counters travel in
+        message headers instead.
+        """
+        request = self.request
+        headers = {**(request.headers or {}), **counters}
+        headers.pop("redelivered", None)  # set by kombu's Redis transport; not ours to copy
+        signature = self.signature_from_request(
+            request, countdown=countdown, retries=request.retries or 0, headers=headers
+        )
+        if request.is_eager:
+            # Eager apply() re-runs a Retry's signature at once (no countdown).
+            raise CeleryRetry(exc=exc, when=countdown, is_eager=True, sig=signature)
+        try:
+            signature.apply_async()
+        except Exception as publish_error:
+            raise Reject(publish_error, requeue=False) from publish_error
+        raise CeleryRetry(exc=exc, when=countdown, sig=signature)
+
+    # -- parent-side backstop ------------------------------------------------------------
+
+    def release_dead_child_lock(
+        self,
+        task_id: str,
+        attempt: int,
+        hostname: str,
+        pid: int | None,
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        reason: str,
+    ) -> ReleaseOutcome | None:
+        """Release the lock of an execution whose process died (worker parent side).
+
+        Matches on the owner prefix, so it releases only the lock taken by
+        exactly that attempt in exactly that process.
+        """
+        settings = self._lock_settings()
+        if not settings.enabled:
+            return None
+        key = self.lock_key_for(args, kwargs)
+        owner = LockOwner(task_id, attempt, hostname, pid)
+        outcome = settings.backend.release_owner(key, owner.prefix())
+        if outcome is ReleaseOutcome.RELEASED:
+            logger.warning(
+                "released lock %s of %s[%s] attempt %d after its process %s ended abnormally (%s)",
+                key,
+                self.name,
+                task_id,
+                attempt,
+                pid,
+                reason,
+            )
+        return outcome
+
+
+class _Result:
+    """A value a policy returned instead of running the body."""
+
+    __slots__ = ("result",)
+
+    def __init__(self, result: Any) -> None:
+        self.result = result
+
+
+class SingletonTask(SingletonTaskMixin, Task):  # type: ignore[misc]
+    """A Celery ``Task`` that runs at most once at a time per lock key."""
+
+
+class SingletonRequest(Request):  # type: ignore[misc]
+    """Worker request that releases a dead pool child's lock from the parent."""
+
+    def on_timeout(self, soft: bool, timeout: float) -> None:
+        if not soft:
+            self._release_child_lock("hard time limit")
+        super().on_timeout(soft, timeout)
+
+    def on_failure(
+        self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False
+    ) -> None:
+        exc = getattr(exc_info, "exception", None)
+        exc = getattr(exc, "exc", exc)  # unwrap billiard's ExceptionWithTraceback
+        if isinstance(exc, _ABNORMAL_EXITS):
+            self._release_child_lock(type(exc).__name__)
+        super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
+
+    def _release_child_lock(self, reason: str) -> None:
+        task = self.task
+        if not isinstance(task, SingletonTaskMixin):
+            return
+        try:
+            task.release_dead_child_lock(
+                self.id,
+                int(self.request_dict.get("retries") or 0),
+                self.hostname,
+                self.worker_pid,
+                self.args,
+                self.kwargs,
+                reason,
+            )
+        except Exception:
+            logger.exception("could not release the lock of %s[%s] (%s)", self.name, self.id, reason)

@@ -1,0 +1,109 @@
+"""The value stored under a lock key: who holds it, and the secret that proves it.
+
+Format (version 1), fields separated by ``|``, text fields percent-encoded so
+they can never contain the separator::
+
+    v1|<task id>|<attempt>|<hostname>|<pid>|<nonce>|<task name>|<acquired ms>
+
+* ``task id``, ``attempt`` (the request's retry count), ``hostname`` (the
+  worker node name) and ``pid`` (the process that ran the body) form the
+  *owner*. A worker's parent process knows all four for the requests it
+  handed to a pool child, so it can release the lock of a child that died
+  (SIGKILL, hard time limit) with a compare-*prefix*-and-delete on
+  ``v1|<task id>|<attempt>|<hostname>|<pid>|``. A later attempt of the same
+  task (another attempt number) or a redelivered copy running in another
+  process has a different prefix, so it is never released by mistake.
+* ``nonce`` is 128 random bits per acquisition; the holder itself releases
+  and renews with a compare of the *whole* value.
+* ``task name`` and ``acquired ms`` (Unix epoch milliseconds) are for
+  operators listing locks; they play no part in ownership.
+
+A standalone :class:`~celery_redislock.RedisLock` has an empty task id.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import time
+from dataclasses import dataclass
+from urllib.parse import quote, unquote
+
+__all__ = ["LockOwner", "LockValue", "new_nonce"]
+
+_VERSION = "v1"
+_SEPARATOR = "|"
+
+
+def _text(value: str) -> str:
+    return quote(value, safe="@.-_:")
+
+
+def new_nonce() -> str:
+    """Return 128 fresh random bits as 32 hex characters."""
+    return secrets.token_hex(16)
+
+
+@dataclass(frozen=True)
+class LockOwner:
+    """Who runs the locked body: task id, attempt, worker node and process."""
+
+    task_id: str
+    attempt: int
+    hostname: str
+    pid: int | None
+
+    @classmethod
+    def current(cls, task_id: str | None, attempt: int, hostname: str | None) -> LockOwner:
+        """Return the owner for code running in this process now."""
+        return cls(task_id or "", attempt, hostname or socket.gethostname(), os.getpid())
+
+    def prefix(self) -> str:
+        """Return the value prefix shared by every acquisition of this owner.
+
+        When ``pid`` is unknown the prefix stops after the hostname, which
+        still never matches another attempt or another worker node.
+        """
+        fields = [_VERSION, _text(self.task_id), str(self.attempt), _text(self.hostname)]
+        if self.pid is not None:
+            fields.append(str(self.pid))
+        return _SEPARATOR.join(fields) + _SEPARATOR
+
+
+@dataclass(frozen=True)
+class LockValue:
+    """A decoded lock value."""
+
+    owner: LockOwner
+    nonce: str
+    task_name: str
+    acquired_ms: int
+
+    @classmethod
+    def new(cls, owner: LockOwner, task_name: str) -> LockValue:
+        """Return a fresh value (new nonce, acquired now) for ``owner``."""
+        return cls(owner, new_nonce(), task_name, int(time.time() * 1000))
+
+    def encode(self) -> str:
+        """Return the string stored in Redis."""
+        return (
+            f"{self.owner.prefix()}{self.nonce}{_SEPARATOR}{_text(self.task_name)}"
+            f"{_SEPARATOR}{self.acquired_ms}"
+        )
+
+    @classmethod
+    def decode(cls, raw: str | bytes) -> LockValue | None:
+        """Parse a stored value; return ``None`` for anything not in format v1."""
+        text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+        fields = text.split(_SEPARATOR)
+        if len(fields) != 8 or fields[0] != _VERSION:
+            return None
+        _, task_id, attempt, hostname, pid, nonce, task_name, acquired = fields
+        try:
+            owner = LockOwner(
+                unquote(task_id), int(attempt), unquote(hostname), int(pid) if pid else None
+            )
+            return cls(owner, nonce, unquote(task_name), int(acquired))
+        except ValueError:
+            return None

@@ -15,6 +15,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -185,6 +186,9 @@ def _text(value: Any) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
+_SHARED: weakref.WeakKeyDictionary[Any, LockBackend] = weakref.WeakKeyDictionary()
+_SHARED_GUARD = threading.Lock()
+
 _DEFAULT_OPTIONS: Mapping[str, Any] = {
     # Bounded, so a hung Redis can never hang a task forever.
     "socket_timeout": 5.0,
@@ -229,6 +233,21 @@ class LockBackend:
 
     def __repr__(self) -> str:
         return f"<LockBackend {self.describe()}>"
+
+    @classmethod
+    def for_client(cls, client: redis.Redis) -> LockBackend:
+        """Return the backend shared by every lock on ``client``'s connection pool.
+
+        Sharing it is what lets the renewer serve all of them in one round
+        trip per tick.
+        """
+        pool = client.connection_pool
+        with _SHARED_GUARD:
+            backend = _SHARED.get(pool)
+            if backend is None:
+                backend = cls(client=client)
+                _SHARED[pool] = backend
+            return backend
 
     def describe(self) -> str:
         """Return the server address without credentials, for messages."""
@@ -298,7 +317,8 @@ class LockBackend:
             yield
         except ResponseError as exc:
             detail = str(exc)
-            if "NOPERM" in detail or "unknown command" in detail.lower():
+            lowered = detail.lower()
+            if "noperm" in lowered or "no permissions" in lowered or "unknown command" in lowered:
                 detail += " (the lock store must allow EVAL/EVALSHA, GET, SET, PEXPIRE, PTTL, DEL "
                 detail += "and PUBLISH for this user)"
             raise LockBackendError(

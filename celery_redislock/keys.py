@@ -50,15 +50,19 @@ KEY_FORMAT_VERSION = 1
 _MAX_DEPTH = 64
 
 
-def canonical_encoding(value: Any) -> bytes:
+def canonical_encoding(value: Any, path: str = "argument") -> bytes:
     """Return the canonical, type-tagged byte encoding of ``value``.
+
+    Args:
+        value: The value to encode.
+        path: How to name ``value`` in error messages.
 
     Raises:
         LockKeyError: ``value`` (or something nested in it) has no stable
             encoding.
     """
     out: list[bytes] = []
-    _encode(value, out, 0, "argument")
+    _encode(value, out, 0, path)
     return b"".join(out)
 
 
@@ -163,7 +167,7 @@ def argument_digest(task_name: str, arguments: Mapping[str, Any]) -> str:
     hasher.update(_length_prefixed(b"n", task_name.encode()))
     for name in sorted(arguments):
         hasher.update(_length_prefixed(b"a", name.encode()))
-        hasher.update(canonical_encoding(arguments[name]))
+        hasher.update(canonical_encoding(arguments[name], f"{task_name}: argument {name!r}"))
     return hasher.hexdigest()
 
 

@@ -293,7 +293,7 @@ class RedisLock:
         self.renew = renew
         self.blocking = blocking
         self.timeout = timeout
-        self.backend = LockBackend(client=client)
+        self.backend = LockBackend.for_client(client)
         self.handle: LockHandle | None = None
         self._last_contention = AcquireResult(False)
 

@@ -1,0 +1,124 @@
+"""Fixtures: our own redis-server processes, Celery apps and embedded workers."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from celery.contrib.testing.worker import start_worker
+
+import celery.contrib.testing.tasks  # noqa: F401  (registers celery.ping for the ping check)
+from celery_redislock.config import forget_app_settings
+from tests.servers import RedisServer
+
+BROKER_DB, RESULT_DB, LOCK_DB, RECORD_DB = 0, 1, 2, 3
+
+POOLS = ["solo", "threads", "prefork"]
+
+_app_counter = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """One redis-server for the whole run; each test starts from an empty server."""
+    server = RedisServer()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def redis_server_factory() -> Iterator[Callable[..., RedisServer]]:
+    """Start extra servers a test may kill, pause or restart; all stopped afterwards."""
+    servers: list[RedisServer] = []
+
+    def make(*args: str) -> RedisServer:
+        server = RedisServer(*args)
+        servers.append(server)
+        return server
+
+    yield make
+    for server in servers:
+        server.close()
+
+
+@pytest.fixture
+def server(redis_server: RedisServer) -> RedisServer:
+    redis_server.client().flushall()
+    return redis_server
+
+
+@pytest.fixture
+def lock_client(server: RedisServer) -> Iterator[redis.Redis]:
+    client = server.client(LOCK_DB)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def record(server: RedisServer) -> Iterator[redis.Redis]:
+    """A client on the database where test tasks record what they did."""
+    client = server.client(RECORD_DB, decode_responses=True)
+    yield client
+    client.close()
+
+
+def make_app(server: RedisServer, **conf: Any) -> Celery:
+    app = Celery(f"redislock_test_{next(_app_counter)}", set_as_current=False)
+    app.conf.update(
+        broker_url=server.url_for(BROKER_DB),
+        result_backend=server.url_for(RESULT_DB),
+        redislock_url=server.url_for(LOCK_DB),
+        broker_connection_retry_on_startup=True,
+        worker_hijack_root_logger=False,
+        task_default_queue="tests",
+        result_expires=600,
+    )
+    app.conf.update(conf)
+    return app
+
+
+@pytest.fixture
+def app_factory(server: RedisServer) -> Iterator[Callable[..., Celery]]:
+    apps: list[Celery] = []
+
+    def make(**conf: Any) -> Celery:
+        app = make_app(server, **conf)
+        apps.append(app)
+        return app
+
+    yield make
+    for app in apps:
+        forget_app_settings(app)
+        app.close()
+
+
+@pytest.fixture
+def app(app_factory: Callable[..., Celery]) -> Celery:
+    return app_factory()
+
+
+@contextlib.contextmanager
+def embedded_worker(app: Celery, pool: str = "solo", concurrency: int = 1) -> Iterator[Any]:
+    """Run an embedded worker (a thread of this process; prefork forks children)."""
+    app.loader.import_default_modules()
+    if pool == "solo":
+        concurrency = 1
+    with start_worker(
+        app,
+        pool=pool,
+        concurrency=concurrency,
+        perform_ping_check=True,
+        shutdown_timeout=20,
+        loglevel="WARNING",
+    ) as worker:
+        yield worker
+
+
+@pytest.fixture(params=POOLS)
+def pool(request: pytest.FixtureRequest) -> str:
+    return str(request.param)

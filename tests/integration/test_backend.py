@@ -1,0 +1,139 @@
+"""Lock scripts against a real redis-server: ownership, idempotence, NOSCRIPT."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+
+from celery_redislock import LockBackendError, ReleaseOutcome
+from celery_redislock.backend import RENEW_CHUNK_SIZE, LockBackend, RenewOutcome
+from tests.conftest import LOCK_DB
+from tests.servers import RedisServer, wait_until
+
+
+@pytest.fixture(params=[False, True], ids=["bytes", "decoded"])
+def backend(request: pytest.FixtureRequest, server: RedisServer) -> LockBackend:
+    return LockBackend(server.url_for(LOCK_DB), {"decode_responses": request.param})
+
+
+def test_acquire_returns_holder_and_remaining_ttl_on_contention(
+    backend: LockBackend, lock_client: redis.Redis
+) -> None:
+    assert backend.acquire("k", "v1|holder-id|0|h|1|n|t|0", 5000).acquired
+    result = backend.acquire("k", "mine", 5000)
+    assert not result.acquired
+    assert result.holder_task_id == "holder-id"
+    assert result.ttl_remaining is not None and 4.0 < result.ttl_remaining <= 5.0
+    assert lock_client.get("k") == b"v1|holder-id|0|h|1|n|t|0"
+
+
+def test_acquire_is_idempotent_for_our_own_value(backend: LockBackend, lock_client: redis.Redis) -> None:
+    """A client retry after a lost reply finds its own value: success, TTL refreshed."""
+    assert backend.acquire("k", "mine", 1000).acquired
+    assert backend.acquire("k", "mine", 60000).acquired
+    assert lock_client.pttl("k") > 50000
+
+
+def test_release_outcomes(backend: LockBackend, lock_client: redis.Redis) -> None:
+    backend.acquire("k", "mine", 5000)
+    assert backend.release("k", "someone-else") is ReleaseOutcome.NOT_OURS
+    assert lock_client.get("k") == b"mine"
+    assert backend.release("k", "mine") is ReleaseOutcome.RELEASED
+    assert backend.release("k", "mine") is ReleaseOutcome.ALREADY_GONE
+    assert lock_client.exists("k") == 0
+
+
+def test_prefix_release_only_matches_the_owner_prefix(backend: LockBackend, lock_client: redis.Redis) -> None:
+    backend.acquire("k", "v1|id|10|h|5|nonce|t|0", 5000)
+    assert backend.release_owner("k", "v1|id|1|h|5|") is ReleaseOutcome.NOT_OURS
+    assert backend.release_owner("k", "v1|id|10|h|5|") is ReleaseOutcome.RELEASED
+
+
+def test_expiry_race_first_holder_cannot_delete_second_holders_lock(
+    backend: LockBackend, lock_client: redis.Redis
+) -> None:
+    assert backend.acquire("k", "first", 100).acquired
+    wait_until(lambda: lock_client.exists("k") == 0, message="first lock to expire")
+    assert backend.acquire("k", "second", 5000).acquired
+    assert backend.release("k", "first") is ReleaseOutcome.NOT_OURS
+    assert backend.extend("k", "first", 5000) is RenewOutcome.STOLEN
+    assert lock_client.get("k") == b"second"
+
+
+def test_renew_never_recreates_an_expired_key(backend: LockBackend, lock_client: redis.Redis) -> None:
+    backend.acquire("k", "mine", 50)
+    wait_until(lambda: lock_client.exists("k") == 0)
+    assert backend.renew_many([("k", "mine", 5000)]) == [RenewOutcome.GONE]
+    assert lock_client.exists("k") == 0
+
+
+def test_scripts_survive_script_flush(backend: LockBackend, lock_client: redis.Redis) -> None:
+    backend.acquire("k", "mine", 5000)
+    lock_client.script_flush()
+    assert backend.renew_many([("k", "mine", 5000)]) == [RenewOutcome.RENEWED]
+    lock_client.script_flush()
+    assert backend.release("k", "mine") is ReleaseOutcome.RELEASED
+    lock_client.script_flush()
+    assert backend.acquire("k", "mine", 5000).acquired
+
+
+def test_renew_many_in_one_pipeline_across_chunks(backend: LockBackend, lock_client: redis.Redis) -> None:
+    count = RENEW_CHUNK_SIZE * 2 + 7
+    items = [(f"k{i}", f"v{i}", 1000) for i in range(count)]
+    for key, value, ttl in items:
+        backend.acquire(key, value, ttl)
+    lock_client.set("k3", "stolen")
+    lock_client.delete("k4")
+    lock_client.script_flush()  # NOSCRIPT inside the pipeline is re-sent as EVAL
+    outcomes = backend.renew_many([(k, v, 60000) for k, v, _ in items])
+    assert outcomes[3] is RenewOutcome.STOLEN
+    assert outcomes[4] is RenewOutcome.GONE
+    assert outcomes.count(RenewOutcome.RENEWED) == count - 2
+    assert lock_client.pttl(f"k{count - 1}") > 50000
+
+
+def test_unreachable_redis_is_a_lock_backend_error(redis_server_factory) -> None:  # type: ignore[no-untyped-def]
+    server = redis_server_factory()
+    backend = LockBackend(server.url, {"socket_timeout": 0.5, "socket_connect_timeout": 0.5})
+    server.kill()
+    started = time.monotonic()
+    with pytest.raises(LockBackendError, match=r"cannot acquire lock 'k': Redis at redis://127.0.0.1:\d+ is unavailable"):
+        backend.acquire("k", "v", 1000)
+    assert time.monotonic() - started < 10  # bounded by the client timeouts, not hanging
+
+
+def test_wrong_password_is_a_clear_error(redis_server_factory) -> None:  # type: ignore[no-untyped-def]
+    server = redis_server_factory("--requirepass", "s3cret")
+    backend = LockBackend(f"redis://:wrong@127.0.0.1:{server.port}/0")
+    with pytest.raises(LockBackendError, match="unavailable|refused") as info:
+        backend.acquire("k", "v", 1000)
+    assert "wrong" not in str(info.value)  # the password is not echoed
+
+
+def test_redis_refusing_scripts_is_a_clear_error(redis_server_factory) -> None:  # type: ignore[no-untyped-def]
+    server = redis_server_factory()
+    admin = server.client()
+    admin.acl_setuser("noscript", enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all", "-eval", "-evalsha"])
+    backend = LockBackend(f"redis://noscript:pw@127.0.0.1:{server.port}/0")
+    with pytest.raises(LockBackendError, match="refused to acquire lock 'k'.*must allow EVAL"):
+        backend.acquire("k", "v", 1000)
+
+
+def test_wait_is_woken_by_the_release_not_by_the_ttl(backend: LockBackend) -> None:
+    import threading
+
+    backend.acquire("k", "holder", 30000)
+    threading.Timer(0.3, lambda: backend.release("k", "holder")).start()
+    result = backend.acquire_waiting("k", "waiter", 30000, timeout=20)
+    assert result.acquired
+    # The holder's lock still had ~29.7 s to live: only the release notification
+    # (or a lost-message fallback at the TTL) could have woken us this early.
+    assert backend.inspect("k")[0] == "waiter"
+
+
+def test_wait_times_out_while_the_holder_keeps_it(backend: LockBackend) -> None:
+    backend.acquire("k", "holder", 30000)
+    result = backend.acquire_waiting("k", "waiter", 30000, timeout=0.3)
+    assert not result.acquired and result.holder == "holder"

@@ -1,0 +1,101 @@
+"""The standalone RedisLock: context manager, decorator, blocking acquire."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import redis
+
+from celery_redislock import ConfigurationError, LockContended, LockNotOwned, RedisLock, ReleaseOutcome
+
+
+def test_context_manager_acquires_and_releases(lock_client: redis.Redis) -> None:
+    with RedisLock(lock_client, "cm", ttl=5) as lock:
+        assert lock.owned
+        assert lock_client.pttl("cm") > 4000
+    assert lock_client.exists("cm") == 0
+    assert not lock.owned
+
+
+def test_non_blocking_acquire_on_a_held_lock(lock_client: redis.Redis) -> None:
+    holder = RedisLock(lock_client, "nb")
+    assert holder.acquire()
+    other = RedisLock(lock_client, "nb")
+    assert other.acquire(blocking=False) is False
+    assert other.release() is None
+    assert holder.release() is ReleaseOutcome.RELEASED
+
+
+def test_with_times_out_with_lock_contended(lock_client: redis.Redis) -> None:
+    holder = RedisLock(lock_client, "to")
+    holder.acquire()
+    with pytest.raises(LockContended) as info, RedisLock(lock_client, "to", timeout=0.2):
+        pass
+    assert info.value.key == "to" and info.value.ttl_remaining is not None
+    holder.release()
+
+
+def test_blocking_acquire_takes_the_lock_when_released(lock_client: redis.Redis) -> None:
+    holder = RedisLock(lock_client, "handoff", ttl=30)
+    holder.acquire()
+    threading.Timer(0.2, holder.release).start()
+    waiter = RedisLock(lock_client, "handoff", ttl=30)
+    assert waiter.acquire(timeout=10)
+    assert waiter.owned
+    waiter.release()
+
+
+def test_decorator_serialises_concurrent_calls(lock_client: redis.Redis) -> None:
+    active = 0
+    peak = 0
+    guard = threading.Lock()
+
+    @RedisLock(lock_client, "decorated", ttl=5, timeout=30)
+    def critical(n: int) -> int:
+        nonlocal active, peak
+        with guard:
+            active += 1
+            peak = max(peak, active)
+        threading.Event().wait(0.005)
+        with guard:
+            active -= 1
+        return n
+
+    with ThreadPoolExecutor(8) as pool:
+        assert sorted(pool.map(critical, range(40))) == list(range(40))
+    assert peak == 1
+    assert lock_client.exists("decorated") == 0
+
+
+def test_extend_and_extend_after_loss(lock_client: redis.Redis) -> None:
+    lock = RedisLock(lock_client, "ext", ttl=2, renew=False)
+    lock.acquire()
+    lock.extend(60)
+    assert lock_client.pttl("ext") > 50000
+    lock_client.delete("ext")
+    with pytest.raises(LockNotOwned, match="gone"):
+        lock.extend()
+    assert lock.lost
+    with pytest.raises(LockNotOwned):
+        RedisLock(lock_client, "never").extend()
+
+
+def test_acquiring_twice_on_one_object_is_an_error(lock_client: redis.Redis) -> None:
+    lock = RedisLock(lock_client, "twice")
+    lock.acquire()
+    with pytest.raises(RuntimeError, match="already held"):
+        lock.acquire()
+    lock.release()
+
+
+@pytest.mark.parametrize("ttl", [0, -1, float("nan"), "5", None])
+def test_bad_ttl_is_rejected(lock_client: redis.Redis, ttl: object) -> None:
+    with pytest.raises(ConfigurationError, match="ttl"):
+        RedisLock(lock_client, "bad", ttl=ttl)  # type: ignore[arg-type]
+
+
+def test_bad_name_is_rejected(lock_client: redis.Redis) -> None:
+    with pytest.raises(ConfigurationError, match="name"):
+        RedisLock(lock_client, "")

@@ -1,0 +1,165 @@
+"""The shared renewer: one thread, one round trip per tick, loss reported once."""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import pytest
+import redis
+
+from celery_redislock import RedisLock, lock_lost
+from celery_redislock.renewal import renewer
+from tests.servers import RedisServer, wait_until
+
+
+def os_thread_count() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.fixture
+def lost_events() -> Any:
+    events: list[dict[str, Any]] = []
+
+    def receiver(sender: Any = None, **kwargs: Any) -> None:
+        events.append(kwargs)
+
+    lock_lost.connect(receiver, weak=False)
+    yield events
+    lock_lost.disconnect(receiver)
+
+
+def test_many_locks_share_one_thread_and_one_round_trip_per_tick(lock_client: redis.Redis) -> None:
+    locks = [RedisLock(lock_client, f"many:{i}", ttl=0.6) for i in range(300)]
+    locks[0].acquire()
+    threads_with_one = os_thread_count()
+    for lock in locks[1:]:
+        assert lock.acquire(blocking=False)
+    assert os_thread_count() == threads_with_one  # no thread per lock
+    trips_before = renewer().round_trips
+    handles = [lock.handle for lock in locks]
+    # Hold for 4 TTLs; every key must stay alive throughout.
+    for _ in range(24):
+        pipe = lock_client.pipeline(transaction=False)
+        for lock in locks:
+            pipe.pttl(lock.name)
+        assert min(pipe.execute()) > 0
+        threading.Event().wait(0.1)
+    renewals = [h.renewals for h in handles if h is not None]
+    trips = renewer().round_trips - trips_before
+    assert min(renewals) >= 6  # renewed every TTL/3 = 0.2 s
+    assert trips <= max(renewals) + 2  # all 300 locks per round trip, not one each
+    for lock in locks:
+        lock.release()
+    assert lock_client.dbsize() == 0
+
+
+def test_short_holds_cause_no_renewal_traffic(lock_client: redis.Redis) -> None:
+    trips_before = renewer().round_trips
+    for i in range(50):
+        with RedisLock(lock_client, f"short:{i}", ttl=30):
+            pass
+    assert renewer().round_trips == trips_before
+
+
+def test_deleted_lock_is_reported_lost_once_and_others_keep_renewing(
+    lock_client: redis.Redis, lost_events: list[dict[str, Any]]
+) -> None:
+    victim = RedisLock(lock_client, "victim", ttl=0.6)
+    survivor = RedisLock(lock_client, "survivor", ttl=0.6)
+    victim.acquire()
+    survivor.acquire()
+    lock_client.delete("victim")
+    wait_until(lambda: victim.lost, timeout=3, message="loss to be detected")
+    assert victim.handle is not None and victim.handle.lost_reason == "gone"
+    assert not victim.owned
+    base = survivor.handle.renewals if survivor.handle else 0
+    wait_until(lambda: survivor.handle is not None and survivor.handle.renewals >= base + 3, timeout=5)
+    assert [e["key"] for e in lost_events] == ["victim"]
+    assert lost_events[0]["reason"] == "gone"
+    assert lock_client.exists("victim") == 0  # never re-created
+    survivor.release()
+    victim.release()
+
+
+def test_taken_over_lock_is_reported_stolen_and_left_alone(
+    lock_client: redis.Redis, lost_events: list[dict[str, Any]]
+) -> None:
+    lock = RedisLock(lock_client, "stolen", ttl=0.6)
+    lock.acquire()
+    lock_client.set("stolen", "someone-else", px=60000)
+    wait_until(lambda: lock.lost, timeout=3)
+    assert lock.handle is not None and lock.handle.lost_reason == "stolen"
+    lock.release()
+    assert lock_client.get("stolen") == b"someone-else"
+    assert len(lost_events) == 1
+
+
+def test_callback_fires_once_from_the_renewer(lock_client: redis.Redis) -> None:
+    calls: list[str] = []
+    lock = RedisLock(lock_client, "cb", ttl=0.6)
+    lock.acquire()
+    assert lock.handle is not None
+    lock.handle.on_lost(lambda handle: calls.append(threading.current_thread().name))
+    lock.handle.on_lost(lambda handle: 1 / 0)  # a failing callback is logged, not fatal
+    lock_client.delete("cb")
+    wait_until(lambda: calls, timeout=3)
+    threading.Event().wait(0.5)
+    assert len(calls) == 1
+
+
+def test_release_stops_renewal_and_nothing_resurrects_the_key(lock_client: redis.Redis) -> None:
+    lock = RedisLock(lock_client, "released", ttl=0.3)
+    lock.acquire()
+    wait_until(lambda: lock.handle is not None and lock.handle.renewals >= 1, timeout=3)
+    lock.release()
+    threading.Event().wait(0.5)  # 5 renewal periods
+    assert lock_client.exists("released") == 0
+
+
+def test_renewer_survives_a_redis_restart(redis_server_factory: Any, lost_events: list[dict[str, Any]]) -> None:
+    server: RedisServer = redis_server_factory()
+    client = server.client()
+    lock = RedisLock(client, "restart", ttl=0.9)
+    lock.acquire()
+    server.restart()  # comes back empty
+    wait_until(lambda: lock.lost, timeout=5, message="loss after restart")
+    assert lock.handle is not None and lock.handle.lost_reason in {"gone", "expired_locally"}
+    assert renewer().alive
+    again = RedisLock(client, "restart", ttl=0.6)
+    assert again.acquire(blocking=False)
+    wait_until(lambda: again.handle is not None and again.handle.renewals >= 2, timeout=5)
+    again.release()
+    lock.release()
+
+
+def test_forked_child_never_renews_or_releases_the_parents_lock(lock_client: redis.Redis) -> None:
+    lock = RedisLock(lock_client, "parent", ttl=0.6)
+    lock.acquire()
+    value = lock_client.get("parent")
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        try:
+            held_in_child = renewer().held
+            assert lock.handle is not None
+            lock.handle.release()  # must be refused: another pid
+            own = RedisLock(lock_client, "child", ttl=0.6)
+            own.acquire()
+            wait_until(lambda: own.handle is not None and own.handle.renewals >= 2, timeout=5)
+            own.release()
+            os.write(write_fd, f"{held_in_child}".encode())
+        except BaseException as exc:
+            os.write(write_fd, repr(exc).encode())
+        finally:
+            os._exit(0)
+    os.close(write_fd)
+    _, status = os.waitpid(pid, 0)
+    report = os.read(read_fd, 100).decode()
+    os.close(read_fd)
+    assert status == 0 and report == "0"
+    assert lock_client.get("parent") == value  # the child's release was a no-op
+    base = lock.handle.renewals if lock.handle else 0
+    wait_until(lambda: lock.handle is not None and lock.handle.renewals >= base + 2, timeout=5)
+    lock.release()

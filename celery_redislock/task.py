@@ -31,6 +31,7 @@ from billiard.exceptions import SoftTimeLimitExceeded, Terminated, TimeLimitExce
 from celery import Task
 from celery.exceptions import Reject
 from celery.exceptions import Retry as CeleryRetry
+from celery.utils.threads import LocalStack
 from celery.worker.request import Request
 
 from celery_redislock import signals
@@ -149,12 +150,16 @@ class SingletonTaskMixin(_TaskBase):
     Request = "celery_redislock.task:SingletonRequest"
 
     _redislock_signature: inspect.Signature | None = None
+    # Thread- (or greenlet-) local, like Celery's request stack: one task
+    # instance serves every thread of the threads pool at once.
+    _redislock_held: LocalStack = LocalStack()
     _redislock_settings: tuple[AppSettings, _TaskLockSettings] | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         where = f"task {vars(cls).get('name') or cls.__qualname__}"
         cls._redislock_signature = _run_signature(cls)
+        cls._redislock_held = LocalStack()
         if cls.lock_ttl is not None:
             validate_ttl(cls.lock_ttl, f"{where}: lock_ttl")
         if cls.lock_on_contention is not None:
@@ -177,7 +182,7 @@ class SingletonTaskMixin(_TaskBase):
         ``self.lock.lost`` turns True if the renewer finds the lock gone or
         taken over; ``self.lock.owned`` is a zero-round-trip validity check.
         """
-        return getattr(self.request, "redislock", None)
+        return self._redislock_held.top
 
     def lock_key_for(self, args: Sequence[Any], kwargs: dict[str, Any]) -> str:
         """Return the lock key of a call with ``args`` and ``kwargs``.
@@ -215,11 +220,11 @@ class SingletonTaskMixin(_TaskBase):
         outcome = self._take_lock(settings, args, kwargs)
         if not isinstance(outcome, LockHandle) and outcome is not None:
             return outcome.result
-        request.redislock = outcome
+        self._redislock_held.push(outcome)
         try:
             return super().__call__(*args, **kwargs)
         finally:
-            request.redislock = None
+            self._redislock_held.pop()
             if outcome is not None:
                 outcome.release()
 

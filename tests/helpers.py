@@ -1,0 +1,29 @@
+"""Helpers shared by the worker tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+
+from celery_redislock.task import SingletonTaskMixin
+from celery_redislock.tokens import LockOwner, LockValue
+
+
+def hold_lock(
+    client: redis.Redis,
+    task: SingletonTaskMixin,
+    args: tuple[Any, ...] = (),
+    kwargs: dict[str, Any] | None = None,
+    holder_task_id: str = "holder-task-id",
+    ttl: float = 30.0,
+) -> tuple[str, str]:
+    """Make ``task``'s lock for this call look held by another task; return (key, value)."""
+    key = task.lock_key_for(args, kwargs or {})
+    value = LockValue.new(LockOwner(holder_task_id, 0, "celery@elsewhere", 1), task.name).encode()
+    assert client.set(key, value, nx=True, px=int(ttl * 1000))
+    return key, value
+
+
+def decoded(value: bytes | str | None) -> LockValue | None:
+    return None if value is None else LockValue.decode(value)

@@ -1,0 +1,211 @@
+"""Contention policies in a real worker: what the caller gets back."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from celery.app.trace import build_tracer
+
+from celery_redislock import (
+    LockContended,
+    Raise,
+    Retry,
+    SingletonTask,
+    Skip,
+    Wait,
+    is_skipped,
+    lock_acquired,
+    lock_contended,
+)
+from celery_redislock.task import LOCK_RETRIES_HEADER
+from tests.conftest import BROKER_DB, embedded_worker
+from tests.helpers import hold_lock
+from tests.servers import RedisServer
+
+pytestmark = pytest.mark.worker
+
+
+@pytest.fixture
+def signal_log() -> Any:
+    events: list[tuple[str, dict[str, Any]]] = []
+
+    def on_contended(sender: Any = None, **kw: Any) -> None:
+        events.append(("contended", kw))
+
+    def on_acquired(sender: Any = None, **kw: Any) -> None:
+        events.append(("acquired", kw))
+
+    lock_contended.connect(on_contended, weak=False)
+    lock_acquired.connect(on_acquired, weak=False)
+    yield events
+    lock_contended.disconnect(on_contended)
+    lock_acquired.disconnect(on_acquired)
+
+
+def test_skip_returns_the_skip_result_and_is_visible(
+    app: Celery, record: redis.Redis, lock_client: redis.Redis, signal_log: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    @app.task(base=SingletonTask, shared=False, lock_on_contention="skip")
+    def job(n: int) -> int:
+        record.incr("runs")
+        return n
+
+    key, _ = hold_lock(lock_client, job, (1,))
+    with caplog.at_level("INFO", logger="celery_redislock"), embedded_worker(app, "threads", 2):
+        result = job.delay(1).get(timeout=20)
+        assert job.delay(2).get(timeout=20) == 2  # other arguments: other key, runs
+    assert is_skipped(result)
+    assert result == {"__redislock__": "skipped", "key": key, "task": job.name, "holder": "holder-task-id"}
+    assert record.get("runs") == "1"
+    contended = [kw for name, kw in signal_log if name == "contended"]
+    assert len(contended) == 1 and contended[0]["holder_task_id"] == "holder-task-id"
+    assert contended[0]["policy"] == "skip" and contended[0]["key"] == key
+    assert f"lock {key} is held by holder-task-id" in caplog.text
+
+
+def test_raise_fails_with_a_picklable_lock_contended(app: Celery, lock_client: redis.Redis, pool: str) -> None:
+    @app.task(base=SingletonTask, shared=False, lock_on_contention=Raise())
+    def job() -> None: ...
+
+    key, _ = hold_lock(lock_client, job, ttl=30)
+    with embedded_worker(app, pool, 2):
+        result = job.delay()
+        with pytest.raises(LockContended) as info:
+            result.get(timeout=20)
+    assert result.state == "FAILURE"
+    assert info.value.key == key and info.value.holder_task_id == "holder-task-id"
+    assert info.value.ttl_remaining is not None and 0 < info.value.ttl_remaining <= 30
+
+
+def test_retry_waits_for_the_holder_without_spending_max_retries(
+    app: Celery, record: redis.Redis, lock_client: redis.Redis, pool: str
+) -> None:
+    @app.task(base=SingletonTask, bind=True, shared=False, max_retries=0,
+              lock_on_contention=Retry(countdown=0.2, jitter=0.1, max_retries=50))
+    def job(self: Any) -> str:
+        record.rpush("ran", f"{self.request.retries}:{(self.request.headers or {}).get(LOCK_RETRIES_HEADER, 0)}")
+        return "ran"
+
+    hold_lock(lock_client, job, ttl=1.0)  # a holder that died: not renewed
+    with embedded_worker(app, pool, 2):
+        result = job.delay()
+        assert result.get(timeout=30) == "ran"
+    [ran] = record.lrange("ran", 0, -1)
+    retries, lock_retries = map(int, ran.split(":"))
+    assert retries == 0  # the task's own max_retries=0 was not spent
+    assert lock_retries >= 2
+
+
+def test_retry_countdown_defaults_to_the_holders_remaining_ttl(
+    app: Celery, record: redis.Redis, lock_client: redis.Redis
+) -> None:
+    @app.task(base=SingletonTask, shared=False, lock_on_contention=Retry(jitter=0))
+    def job() -> str:
+        return "ran"
+
+    hold_lock(lock_client, job, ttl=1.5)
+    with embedded_worker(app, "threads", 2):
+        result = job.delay()
+        assert result.get(timeout=30) == "ran"
+
+
+def test_retry_budget_spent_then_fallback(app: Celery, lock_client: redis.Redis, record: redis.Redis) -> None:
+    @app.task(base=SingletonTask, shared=False,
+              lock_on_contention=Retry(countdown=0.05, jitter=0, max_retries=3))
+    def job() -> None:
+        record.incr("runs")
+
+    @app.task(base=SingletonTask, shared=False,
+              lock_on_contention=Retry(countdown=0.05, jitter=0, max_retries=2, then=Skip()))
+    def job2() -> None:
+        record.incr("runs")
+
+    hold_lock(lock_client, job, ttl=60)
+    hold_lock(lock_client, job2, ttl=60)
+    with embedded_worker(app, "threads", 2):
+        with pytest.raises(LockContended):
+            job.delay().get(timeout=30)
+        assert is_skipped(job2.delay().get(timeout=30))
+    assert record.get("runs") is None
+
+
+def test_wait_takes_the_lock_when_the_holder_releases(
+    app: Celery, record: redis.Redis, lock_client: redis.Redis, pool: str
+) -> None:
+    @app.task(base=SingletonTask, bind=True, shared=False, lock_on_contention=Wait(timeout=60))
+    def job(self: Any) -> int:
+        return int((self.request.headers or {}).get(LOCK_RETRIES_HEADER) or 0)
+
+    key, value = hold_lock(lock_client, job, ttl=60)
+    backend = job._lock_settings().backend
+    threading.Timer(0.5, lambda: backend.release(key, value)).start()
+    with embedded_worker(app, pool, 2):
+        # Woken by the holder's release notification, long before its 60 s
+        # TTL and within this get() timeout; no retry was needed.
+        assert job.delay().get(timeout=20) == 0
+    assert lock_client.exists(key) == 0
+
+
+def test_wait_hand_off_from_a_real_holder(app: Celery, record: redis.Redis, lock_client: redis.Redis) -> None:
+    @app.task(base=SingletonTask, bind=True, shared=False, lock_on_contention=Wait(timeout=30))
+    def job(self: Any, tag: str) -> str:
+        record.rpush("order", f"start:{tag}")
+        import time
+
+        time.sleep(0.3)
+        record.rpush("order", f"end:{tag}")
+        return tag
+
+    with embedded_worker(app, "threads", 3):
+        results = [job.apply_async(("x",), headers={"n": n}) for n in range(3)]
+        assert [r.get(timeout=30) for r in results] == ["x", "x", "x"]
+    order = record.lrange("order", 0, -1)
+    assert order == ["start:x", "end:x"] * 3  # strictly one at a time
+
+
+def test_wait_times_out_then_falls_back(app: Celery, lock_client: redis.Redis) -> None:
+    @app.task(base=SingletonTask, shared=False, lock_on_contention=Wait(timeout=0.3, then=Skip()))
+    def job() -> None: ...
+
+    hold_lock(lock_client, job, ttl=30)
+    with embedded_worker(app, "solo"):
+        assert is_skipped(job.delay().get(timeout=20))
+
+
+def test_redelivered_message_is_retried_not_skipped(
+    app: Celery, lock_client: redis.Redis, server: RedisServer
+) -> None:
+    """Worker-mode tracer with delivery_info.redelivered: Skip turns into Retry."""
+
+    @app.task(base=SingletonTask, shared=False, lock_on_contention="skip")
+    def job() -> None: ...
+
+    hold_lock(lock_client, job, ttl=30)
+    broker = server.client(BROKER_DB)
+    before = broker.llen("tests")
+    trace = build_tracer(job.name, job, app=app, eager=False)
+    request = {"delivery_info": {"redelivered": True, "routing_key": "tests", "exchange": ""},
+               "headers": {}, "retries": 0, "hostname": "celery@test"}
+    trace("redelivered-id", (), {}, {**request, "id": "redelivered-id"})
+    assert app.AsyncResult("redelivered-id").state == "RETRY"
+    assert broker.llen("tests") == before + 1  # the retry message was published
+
+    # The same call not redelivered is skipped, as configured.
+    request["delivery_info"] = {"redelivered": False, "routing_key": "tests", "exchange": ""}
+    trace("fresh-id", (), {}, {**request, "id": "fresh-id"})
+    fresh = app.AsyncResult("fresh-id")
+    assert fresh.state == "SUCCESS" and is_skipped(fresh.result)
+
+
+def test_eager_retry_policy_spends_its_budget_at_once(app: Celery, lock_client: redis.Redis) -> None:
+    @app.task(base=SingletonTask, shared=False, lock_on_contention=Retry(countdown=10, max_retries=3))
+    def job() -> None: ...
+
+    hold_lock(lock_client, job, ttl=30)
+    result = job.apply()
+    assert result.state == "FAILURE" and isinstance(result.result, LockContended)

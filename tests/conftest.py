@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -92,6 +93,8 @@ def app_factory(server: RedisServer) -> Iterator[Callable[..., Celery]]:
         return app
 
     yield make
+    # Let AsyncResult.__del__ unsubscribe while the server is still up.
+    gc.collect()
     for app in apps:
         forget_app_settings(app)
         app.close()

@@ -1,0 +1,72 @@
+"""The app that `celery worker` subprocesses run in the crash and shutdown tests.
+
+Configured from the environment: REDISLOCK_TEST_URL (base redis:// URL of
+the test's own server) and REDISLOCK_TEST_TTL (lock TTL in seconds).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import redis
+from celery import Celery
+
+from celery_redislock import SingletonTask, Wait
+
+BASE_URL = os.environ.get("REDISLOCK_TEST_URL", "redis://127.0.0.1:1")
+TTL = float(os.environ.get("REDISLOCK_TEST_TTL", "30"))
+
+app = Celery("redislock_processes")
+app.conf.update(
+    broker_url=f"{BASE_URL}/0",
+    result_backend=f"{BASE_URL}/1",
+    redislock_url=f"{BASE_URL}/2",
+    redislock_ttl=TTL,
+    task_default_queue="tests",
+    broker_connection_retry_on_startup=True,
+    worker_prefetch_multiplier=1,
+    result_expires=600,
+)
+
+_record: redis.Redis | None = None
+
+
+def record() -> redis.Redis:
+    """The database tasks record into (re-created per process)."""
+    global _record
+    if _record is None or _record.connection_pool.pid != os.getpid():  # type: ignore[attr-defined]
+        _record = redis.Redis.from_url(f"{BASE_URL}/3", decode_responses=True)
+    return _record
+
+
+@app.task(base=SingletonTask, bind=True, lock_args=("name",))
+def hold(self: Any, name: str, seconds: float) -> str:
+    """Record that it started (with its pid and lock key), then sleep."""
+    record().hset(f"started:{self.request.id}", mapping={"pid": os.getpid(), "key": self.lock.key})
+    record().rpush(f"runs:{name}", self.request.id)
+    record().rpush(f"events:{name}", f"start:{self.request.id}")
+    time.sleep(seconds)
+    record().rpush(f"events:{name}", f"end:{self.request.id}")
+    return self.request.id
+
+
+@app.task(base=SingletonTask, bind=True, lock_args=("name",), time_limit=1.5)
+def hard_limited(self: Any, name: str) -> None:
+    record().hset(f"started:{self.request.id}", mapping={"pid": os.getpid(), "key": self.lock.key})
+    time.sleep(60)
+
+
+@app.task(base=SingletonTask, bind=True, lock_args=("key",), lock_on_contention=Wait(timeout=120))
+def exclusive(self: Any, key: str, n: int) -> int:
+    """Count concurrent bodies per key with a Redis gauge and log intervals."""
+    store = record()
+    concurrent = store.incr(f"active:{key}")
+    store.rpush(f"peak:{key}", concurrent)
+    started = time.monotonic_ns()
+    time.sleep(0.002)
+    ended = time.monotonic_ns()
+    store.decr(f"active:{key}")
+    store.rpush(f"intervals:{key}", f"{started}:{ended}:{os.getpid()}")
+    return n

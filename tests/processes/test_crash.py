@@ -1,0 +1,160 @@
+"""Crash, time-limit and shutdown paths with real `celery worker` subprocesses."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_redislock import is_skipped
+from tests.conftest import LOCK_DB, RECORD_DB, make_app
+from tests.processes import app as worker_app
+from tests.servers import CeleryWorkerProcess, RedisServer, wait_until
+
+pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
+
+APP = "tests.processes.app"
+
+
+class Cluster:
+    """Workers and a producer app around one dedicated redis-server."""
+
+    def __init__(self, server: RedisServer) -> None:
+        self.server = server
+        self.producer: Celery = make_app(server)
+        self.locks = server.client(LOCK_DB, decode_responses=True)
+        self.record = server.client(RECORD_DB, decode_responses=True)
+        self.workers: list[CeleryWorkerProcess] = []
+
+    def worker(self, ttl: float = 30, **kwargs: Any) -> CeleryWorkerProcess:
+        env = {"REDISLOCK_TEST_URL": self.server.url, "REDISLOCK_TEST_TTL": str(ttl)}
+        worker = CeleryWorkerProcess(APP, env, name=f"w{len(self.workers)}", **kwargs)
+        self.workers.append(worker)
+        worker.wait_ready()
+        return worker
+
+    def send(self, task: str, *args: Any, **options: Any) -> Any:
+        return self.producer.send_task(f"{APP}.{task}", args=args, **options)
+
+    def started(self, task_id: str, timeout: float = 20) -> dict[str, str]:
+        return wait_until(lambda: self.record.hgetall(f"started:{task_id}"), timeout=timeout,
+                          message=f"task {task_id} to start")
+
+    def close(self) -> None:
+        for worker in self.workers:
+            worker.close()
+        self.producer.close()
+
+
+@pytest.fixture
+def cluster(redis_server_factory: Any) -> Iterator[Cluster]:
+    c = Cluster(redis_server_factory())
+    yield c
+    c.close()
+
+
+def test_sigkill_of_the_pool_child_is_released_by_the_parent(cluster: Cluster) -> None:
+    worker = cluster.worker(ttl=30)
+    first = cluster.send("hold", "child-kill", 60)
+    info = cluster.started(first.id)
+    key = info["key"]
+    assert cluster.locks.exists(key)
+    killed_at = time.monotonic()
+    os.kill(int(info["pid"]), signal.SIGKILL)
+    # TTL is 30 s: only the parent's release can free it this early.
+    wait_until(lambda: cluster.locks.exists(key) == 0, timeout=20, interval=0.05,
+               message="parent to release the dead child's lock")
+    freed_after = time.monotonic() - killed_at
+    print(f"\n[measured] pool child SIGKILL -> lock released after {freed_after:.2f}s (TTL 30s)")
+    assert "after its process" in worker.log()
+    second = cluster.send("hold", "child-kill", 0)
+    assert second.get(timeout=30) == second.id
+
+
+def test_whole_worker_sigkill_is_freed_by_the_ttl(cluster: Cluster) -> None:
+    ttl = 2.0
+    worker = cluster.worker(ttl=ttl)
+    first = cluster.send("hold", "worker-kill", 60)
+    key = cluster.started(first.id)["key"]
+    # Renewal keeps it alive past its TTL while the worker lives.
+    time.sleep(ttl * 1.5)  # observation window, not a synchronisation
+    assert cluster.locks.exists(key)
+    children = worker.children()
+    killed_at = time.monotonic()
+    worker.signal(signal.SIGKILL)
+    for pid in children:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    wait_until(lambda: cluster.locks.exists(key) == 0, timeout=ttl + 5, interval=0.05)
+    freed_after = time.monotonic() - killed_at
+    print(f"\n[measured] whole worker SIGKILL -> lock expired after {freed_after:.2f}s (TTL {ttl}s)")
+    assert freed_after <= ttl + 1.0
+    cluster.worker(ttl=ttl)
+    assert cluster.send("hold", "worker-kill", 0).get(timeout=30)
+
+
+def test_hard_time_limit_releases_and_the_next_runs_at_once(cluster: Cluster) -> None:
+    cluster.worker(ttl=30)
+    first = cluster.send("hard_limited", "limit")
+    key = cluster.started(first.id)["key"]
+    with pytest.raises(Exception, match="TimeLimitExceeded"):
+        first.get(timeout=30)
+    wait_until(lambda: cluster.locks.exists(key) == 0, timeout=5, message="release after hard limit")
+    second = cluster.send("hold", "limit-other", 0)
+    assert second.get(timeout=30) == second.id
+
+
+def test_revoke_with_terminate_releases(cluster: Cluster) -> None:
+    cluster.worker(ttl=30)
+    first = cluster.send("hold", "revoke", 60)
+    key = cluster.started(first.id)["key"]
+    cluster.producer.control.revoke(first.id, terminate=True)
+    wait_until(lambda: cluster.locks.exists(key) == 0, timeout=15, message="release after terminate")
+    second = cluster.send("hold", "revoke", 0)
+    assert second.get(timeout=30) == second.id
+
+
+def test_cold_shutdown_releases(cluster: Cluster) -> None:
+    worker = cluster.worker(ttl=30)
+    first = cluster.send("hold", "cold", 60)
+    key = cluster.started(first.id)["key"]
+    worker.signal(signal.SIGQUIT)
+    wait_until(lambda: cluster.locks.exists(key) == 0, timeout=15, message="release at cold shutdown")
+    worker.process.wait(15)
+
+
+def test_warm_shutdown_lets_the_holder_finish_with_its_lock(cluster: Cluster) -> None:
+    worker = cluster.worker(ttl=2)  # renewal must keep it through the 5 s run
+    first = cluster.send("hold", "warm", 5)
+    key = cluster.started(first.id)["key"]
+    worker.signal(signal.SIGTERM)
+    other = cluster.worker(ttl=2)
+    duplicate = cluster.send("hold", "warm", 0)
+    outcome = duplicate.get(timeout=30)
+    assert first.get(timeout=30) == first.id
+    events = cluster.record.lrange("events:warm", 0, -1)
+    if is_skipped(outcome):  # it reached the new worker while the first still ran
+        assert events == [f"start:{first.id}", f"end:{first.id}"]
+    else:  # the stopping worker had prefetched it and restored it at shutdown
+        assert events == [f"start:{first.id}", f"end:{first.id}",
+                          f"start:{duplicate.id}", f"end:{duplicate.id}"]
+    assert cluster.locks.exists(key) == 0
+    worker.process.wait(15)
+    other.stop()
+
+
+def test_lock_value_records_attempt_and_pid_for_the_parent(cluster: Cluster) -> None:
+    """The key built in the test process equals the worker's (send_task path)."""
+    cluster.worker(ttl=30)
+    result = cluster.send("hold", "same-key", 0)
+    info = cluster.started(result.id)
+    assert info["key"] == worker_app.hold.lock_key_for(("same-key", 0), {})
+    result.get(timeout=20)

@@ -13,7 +13,7 @@ from typing import Any
 import redis
 from celery import Celery
 
-from celery_redislock import SingletonTask, Wait
+from celery_redislock import SingletonTask, Wait, lock_contended
 
 BASE_URL = os.environ.get("REDISLOCK_TEST_URL", "redis://127.0.0.1:1")
 TTL = float(os.environ.get("REDISLOCK_TEST_TTL", "30"))
@@ -65,8 +65,13 @@ def exclusive(self: Any, key: str, n: int) -> int:
     concurrent = store.incr(f"active:{key}")
     store.rpush(f"peak:{key}", concurrent)
     started = time.monotonic_ns()
-    time.sleep(0.002)
+    time.sleep(0.005)
     ended = time.monotonic_ns()
     store.decr(f"active:{key}")
     store.rpush(f"intervals:{key}", f"{started}:{ended}:{os.getpid()}")
     return n
+
+
+@lock_contended.connect
+def count_contention(sender: Any = None, **kwargs: Any) -> None:
+    record().incr(f"contended:{kwargs['policy']}")

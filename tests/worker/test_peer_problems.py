@@ -146,6 +146,7 @@ def test_p7_a_second_delivery_of_the_same_task_id_never_runs_concurrently(
         record.rpush("runs", self.request.id)
         time.sleep(1.0)
         record.decr("active")
+        record.rpush("done", self.request.id)
 
     with embedded_worker(app, "threads", 2):
         first = app.send_task("peers.same_id", task_id="same-id")
@@ -153,6 +154,6 @@ def test_p7_a_second_delivery_of_the_same_task_id_never_runs_concurrently(
         app.send_task("peers.same_id", task_id="same-id")  # the "redelivered" copy
         # Same id as the holder: not skipped (it may be the only copy left),
         # retried, and run only once the first has finished.
-        wait_until(lambda: record.llen("runs") == 2, timeout=30)
+        wait_until(lambda: record.llen("done") == 2, timeout=30)
         first.get(timeout=20)
     assert max(int(p) for p in record.lrange("peak", 0, -1)) == 1

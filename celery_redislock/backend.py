@@ -383,7 +383,7 @@ class LockBackend:
             on_wait(result)
         deadline = time.monotonic() + timeout
         with self._errors("wait for", key):
-            pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+            pubsub = self.client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call,unused-ignore]
             try:
                 pubsub.subscribe(release_channel(key))
                 while True:

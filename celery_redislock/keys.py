@@ -150,9 +150,7 @@ def _encode_mapping(value: Mapping[Any, Any], out: list[bytes], depth: int, path
     for raw_key, item in value.items():
         text = _mapping_key_text(raw_key, path)
         if text in entries:
-            raise LockKeyError(
-                f"{path} has two keys that are both {text!r} after JSON encoding"
-            )
+            raise LockKeyError(f"{path} has two keys that are both {text!r} after JSON encoding")
         entries[text] = item
     out.append(b"{" + str(len(entries)).encode() + b":")
     for text in sorted(entries):
@@ -245,7 +243,5 @@ def custom_key(
     """
     value = key_function(tuple(args), dict(kwargs))
     if not isinstance(value, str) or not value:
-        raise LockKeyError(
-            f"{task}: lock_key must return a non-empty str, it returned {value!r}"
-        )
+        raise LockKeyError(f"{task}: lock_key must return a non-empty str, it returned {value!r}")
     return f"{prefix}:{{{value}}}"

@@ -11,9 +11,9 @@ from typing import Any, TypeVar
 import redis
 
 from celery_redislock import signals
+from celery_redislock._clock import clock
 from celery_redislock.backend import AcquireResult, LockBackend, ReleaseOutcome, RenewOutcome
 from celery_redislock.exceptions import ConfigurationError, LockContended, LockNotOwned
-from celery_redislock._clock import clock
 from celery_redislock.renewal import renewer
 from celery_redislock.tokens import LockOwner, LockValue
 
@@ -34,7 +34,9 @@ def validate_ttl(ttl: Any, where: str) -> float:
     if isinstance(ttl, bool) or not isinstance(ttl, (int, float)):
         raise ConfigurationError(f"{where} must be a number of seconds, got {ttl!r}")
     if not ttl > 0 or ttl != ttl or ttl == float("inf"):
-        raise ConfigurationError(f"{where} must be a positive, finite number of seconds, got {ttl!r}")
+        raise ConfigurationError(
+            f"{where} must be a positive, finite number of seconds, got {ttl!r}"
+        )
     if ttl < 0.01:
         raise ConfigurationError(f"{where} must be at least 0.01 seconds, got {ttl!r}")
     return float(ttl)

@@ -92,7 +92,7 @@ class Contention:
     redelivered: bool
     lock_retries: int
     wait_for_lock: Callable[[float], bool] = field(repr=False)
-    retry_later: Callable[[float, BaseException], NoReturn] = field(repr=False)
+    retry_later: Callable[[float, Exception], NoReturn] = field(repr=False)
 
     def error(self) -> LockContended:
         """Return the :class:`LockContended` error describing this contention."""
@@ -185,7 +185,8 @@ class Retry(ContentionPolicy):
     def handle(self, contention: Contention) -> Any:
         if contention.lock_retries >= self.max_retries:
             return self.then.handle(contention)
-        contention.retry_later(self.countdown_for(contention), contention.error())
+        return contention.retry_later(self.countdown_for(contention), contention.error())
+        return None
 
 
 class Wait(ContentionPolicy):
@@ -222,7 +223,9 @@ _SHORTHANDS: dict[str, Callable[[], ContentionPolicy]] = {
 }
 
 
-def resolve_policy(value: ContentionPolicy | str, where: str = "lock_on_contention") -> ContentionPolicy:
+def resolve_policy(
+    value: ContentionPolicy | str, where: str = "lock_on_contention"
+) -> ContentionPolicy:
     """Turn a policy or its shorthand name into a policy object.
 
     Raises:

@@ -14,6 +14,7 @@ parent's locks.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
@@ -38,7 +39,7 @@ _IDLE_WAKE = 30.0
 def _native(module: str, name: str) -> Any:
     """Return the unpatched ``module.name`` even under gevent monkey-patching."""
     try:
-        from gevent import monkey
+        from gevent import monkey  # type: ignore[import-untyped,unused-ignore]
     except ImportError:
         pass
     else:
@@ -108,10 +109,8 @@ class Renewer:
         return self._running
 
     def _notify(self) -> None:
-        try:
+        with contextlib.suppress(RuntimeError):  # already woken
             self._wake.release()
-        except RuntimeError:
-            pass  # already woken
 
     def _ensure_running(self) -> None:
         if self._running:
@@ -179,7 +178,7 @@ class Renewer:
                     # Try again soon, while the lock is still valid.
                     handle.renew_at = now + min(handle.renew_period / 4, 1.0)
             return
-        for handle, outcome in zip(handles, outcomes):
+        for handle, outcome in zip(handles, outcomes, strict=False):
             if outcome is RenewOutcome.RENEWED:
                 handle._renewed(sent_at)
             elif outcome is RenewOutcome.GONE:

@@ -26,13 +26,13 @@ from celery.utils.dispatch import Signal
 
 __all__ = ["lock_acquired", "lock_contended", "lock_lost", "lock_released", "lock_renewed"]
 
-_COMMON = {"key", "task_name", "task_id"}
+_COMMON = ["key", "task_name", "task_id"]
 
-lock_acquired = Signal(name="lock_acquired", providing_args=_COMMON | {"waited", "fence"})
+lock_acquired = Signal(name="lock_acquired", providing_args=[*_COMMON, "waited", "fence"])
 lock_contended = Signal(
     name="lock_contended",
-    providing_args=_COMMON | {"holder_task_id", "ttl_remaining", "policy"},
+    providing_args=[*_COMMON, "holder_task_id", "ttl_remaining", "policy"],
 )
-lock_renewed = Signal(name="lock_renewed", providing_args=_COMMON | {"held"})
-lock_lost = Signal(name="lock_lost", providing_args=_COMMON | {"reason", "held"})
-lock_released = Signal(name="lock_released", providing_args=_COMMON | {"held", "outcome"})
+lock_renewed = Signal(name="lock_renewed", providing_args=[*_COMMON, "held"])
+lock_lost = Signal(name="lock_lost", providing_args=[*_COMMON, "reason", "held"])
+lock_released = Signal(name="lock_released", providing_args=[*_COMMON, "held", "outcome"])

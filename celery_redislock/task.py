@@ -25,9 +25,14 @@ import inspect
 import logging
 import random
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
-from billiard.exceptions import SoftTimeLimitExceeded, Terminated, TimeLimitExceeded, WorkerLostError
+from billiard.exceptions import (
+    SoftTimeLimitExceeded,
+    Terminated,
+    TimeLimitExceeded,
+    WorkerLostError,
+)
 from celery import Task
 from celery.exceptions import Reject
 from celery.exceptions import Retry as CeleryRetry
@@ -79,8 +84,10 @@ _ABNORMAL_EXITS = (
 
 if TYPE_CHECKING:
     _TaskBase = Task[Any, Any]
+    _Task = Task[Any, Any]
 else:
     _TaskBase = object
+    _Task = Task
 
 
 def _run_signature(cls: type) -> inspect.Signature | None:
@@ -152,7 +159,7 @@ class SingletonTaskMixin(_TaskBase):
     _redislock_signature: inspect.Signature | None = None
     # Thread- (or greenlet-) local, like Celery's request stack: one task
     # instance serves every thread of the threads pool at once.
-    _redislock_held: LocalStack = LocalStack()
+    _redislock_held: Any = LocalStack()
     _redislock_settings: tuple[AppSettings, _TaskLockSettings] | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -165,7 +172,9 @@ class SingletonTaskMixin(_TaskBase):
         if cls.lock_on_contention is not None:
             resolve_policy(cls.lock_on_contention, f"{where}: lock_on_contention")
         if cls.lock_on_backend_error is not None:
-            validate_backend_error_mode(cls.lock_on_backend_error, f"{where}: lock_on_backend_error")
+            validate_backend_error_mode(
+                cls.lock_on_backend_error, f"{where}: lock_on_backend_error"
+            )
         if cls.lock_key is not None and not callable(cls.lock_key):
             raise ConfigurationError(f"{where}: lock_key must be callable, got {cls.lock_key!r}")
         if cls.lock_key is not None and cls.lock_args is not None:
@@ -182,7 +191,8 @@ class SingletonTaskMixin(_TaskBase):
         ``self.lock.lost`` turns True if the renewer finds the lock gone or
         taken over; ``self.lock.owned`` is a zero-round-trip validity check.
         """
-        return self._redislock_held.top
+        held: LockHandle | None = self._redislock_held.top
+        return held
 
     def lock_key_for(self, args: Sequence[Any], kwargs: dict[str, Any]) -> str:
         """Return the lock key of a call with ``args`` and ``kwargs``.
@@ -243,7 +253,8 @@ class SingletonTaskMixin(_TaskBase):
         try:
             result = settings.backend.acquire(key, value, settings.ttl_ms)
         except LockBackendError as exc:
-            return self._on_backend_error(settings, key, exc)
+            self._on_backend_error(settings, key, exc)
+            return None
         if result.acquired:
             return self._granted(settings, key, value, result, started)
 
@@ -266,7 +277,9 @@ class SingletonTaskMixin(_TaskBase):
             lock_retries=int(headers.get(LOCK_RETRIES_HEADER) or 0),
             wait_for_lock=wait_for_lock,
             retry_later=lambda countdown, exc: self._resend(
-                countdown, exc, {LOCK_RETRIES_HEADER: int(headers.get(LOCK_RETRIES_HEADER) or 0) + 1}
+                countdown,
+                exc,
+                {LOCK_RETRIES_HEADER: int(headers.get(LOCK_RETRIES_HEADER) or 0) + 1},
             ),
         )
         policy = settings.policy
@@ -339,7 +352,7 @@ class SingletonTaskMixin(_TaskBase):
                 key,
                 exc,
             )
-            return None
+            return
         attempts = int((request.headers or {}).get(BACKEND_RETRIES_HEADER) or 0)
         if attempts >= settings.app.backend_error_max_retries:
             logger.error(
@@ -362,7 +375,7 @@ class SingletonTaskMixin(_TaskBase):
         )
         self._resend(countdown, exc, {BACKEND_RETRIES_HEADER: attempts + 1})
 
-    def _resend(self, countdown: float, exc: BaseException, counters: dict[str, int]) -> NoReturn:
+    def _resend(self, countdown: float, exc: Exception, counters: dict[str, int]) -> NoReturn:
         """Re-send this execution to run in ``countdown`` seconds, then raise Retry.
 
         Unlike ``self.retry()``, ``retries`` is not incremented: a lock retry
@@ -377,12 +390,12 @@ class SingletonTaskMixin(_TaskBase):
         )
         if request.is_eager:
             # Eager apply() re-runs a Retry's signature at once (no countdown).
-            raise CeleryRetry(exc=exc, when=countdown, is_eager=True, sig=signature)
+            raise CeleryRetry(exc=exc, when=cast(Any, countdown), is_eager=True, sig=signature)
         try:
             signature.apply_async()
         except Exception as publish_error:
             raise Reject(publish_error, requeue=False) from publish_error
-        raise CeleryRetry(exc=exc, when=countdown, sig=signature)
+        raise CeleryRetry(exc=exc, when=cast(Any, countdown), sig=signature)
 
     # -- parent-side backstop ------------------------------------------------------------
 
@@ -429,11 +442,11 @@ class _Result:
         self.result = result
 
 
-class SingletonTask(SingletonTaskMixin, Task):  # type: ignore[misc]
+class SingletonTask(SingletonTaskMixin, _Task):
     """A Celery ``Task`` that runs at most once at a time per lock key."""
 
 
-class SingletonRequest(Request):  # type: ignore[misc]
+class SingletonRequest(Request):
     """Worker request that releases a dead pool child's lock from the parent."""
 
     def on_timeout(self, soft: bool, timeout: float) -> None:
@@ -459,10 +472,12 @@ class SingletonRequest(Request):  # type: ignore[misc]
                 self.id,
                 int(self.request_dict.get("retries") or 0),
                 self.hostname,
-                self.worker_pid,
+                int(self.worker_pid) if self.worker_pid else None,
                 self.args,
                 self.kwargs,
                 reason,
             )
         except Exception:
-            logger.exception("could not release the lock of %s[%s] (%s)", self.name, self.id, reason)
+            logger.exception(
+                "could not release the lock of %s[%s] (%s)", self.name, self.id, reason
+            )

@@ -8,12 +8,12 @@ import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import celery.contrib.testing.tasks  # noqa: F401  (registers celery.ping for the ping check)
 import pytest
 import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
-import celery.contrib.testing.tasks  # noqa: F401  (registers celery.ping for the ping check)
 from celery_redislock.config import forget_app_settings
 from tests.servers import RedisServer
 

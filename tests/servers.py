@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -79,13 +80,20 @@ class RedisServer:
     def start(self) -> None:
         args = [
             self.binary,
-            "--port", str(self.port),
-            "--bind", "127.0.0.1",
-            "--save", "",
-            "--appendonly", "no",
-            "--dir", self.dir,
-            "--databases", "16",
-            "--logfile", os.path.join(self.dir, "redis.log"),
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            self.dir,
+            "--databases",
+            "16",
+            "--logfile",
+            os.path.join(self.dir, "redis.log"),
             *self.extra_args,
         ]
         if _supports_debug_flag(self.binary):
@@ -172,10 +180,25 @@ class CeleryWorkerProcess:
         )
         self.name = name
         command = [
-            sys.executable, "-m", "celery", "-A", app, "worker",
-            "-P", pool, "-c", str(concurrency), "-n", f"{name}@%h",
-            "-l", "info", "--without-heartbeat", "--without-mingle", "--without-gossip",
-            "--prefetch-multiplier", "1",
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            app,
+            "worker",
+            "-P",
+            pool,
+            "-c",
+            str(concurrency),
+            "-n",
+            f"{name}@%h",
+            "-l",
+            "info",
+            "--without-heartbeat",
+            "--without-mingle",
+            "--without-gossip",
+            "--prefetch-multiplier",
+            "1",
             *extra,
         ]
         full_env = {**os.environ, **env, "PYTHONPATH": str(ROOT)}
@@ -231,7 +254,5 @@ class CeleryWorkerProcess:
 
 
 def _kill_quietly(pid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass

@@ -29,7 +29,9 @@ def test_acquire_returns_holder_and_remaining_ttl_on_contention(
     assert lock_client.get("k") == b"v1|holder-id|0|h|1|n|t|0"
 
 
-def test_acquire_is_idempotent_for_our_own_value(backend: LockBackend, lock_client: redis.Redis) -> None:
+def test_acquire_is_idempotent_for_our_own_value(
+    backend: LockBackend, lock_client: redis.Redis
+) -> None:
     """A client retry after a lost reply finds its own value: success, TTL refreshed."""
     assert backend.acquire("k", "mine", 1000).acquired
     assert backend.acquire("k", "mine", 60000).acquired
@@ -45,7 +47,9 @@ def test_release_outcomes(backend: LockBackend, lock_client: redis.Redis) -> Non
     assert lock_client.exists("k") == 0
 
 
-def test_prefix_release_only_matches_the_owner_prefix(backend: LockBackend, lock_client: redis.Redis) -> None:
+def test_prefix_release_only_matches_the_owner_prefix(
+    backend: LockBackend, lock_client: redis.Redis
+) -> None:
     backend.acquire("k", "v1|id|10|h|5|nonce|t|0", 5000)
     assert backend.release_owner("k", "v1|id|1|h|5|") is ReleaseOutcome.NOT_OURS
     assert backend.release_owner("k", "v1|id|10|h|5|") is ReleaseOutcome.RELEASED
@@ -62,7 +66,9 @@ def test_expiry_race_first_holder_cannot_delete_second_holders_lock(
     assert lock_client.get("k") == b"second"
 
 
-def test_renew_never_recreates_an_expired_key(backend: LockBackend, lock_client: redis.Redis) -> None:
+def test_renew_never_recreates_an_expired_key(
+    backend: LockBackend, lock_client: redis.Redis
+) -> None:
     backend.acquire("k", "mine", 50)
     wait_until(lambda: lock_client.exists("k") == 0)
     assert backend.renew_many([("k", "mine", 5000)]) == [RenewOutcome.GONE]
@@ -79,7 +85,9 @@ def test_scripts_survive_script_flush(backend: LockBackend, lock_client: redis.R
     assert backend.acquire("k", "mine", 5000).acquired
 
 
-def test_renew_many_in_one_pipeline_across_chunks(backend: LockBackend, lock_client: redis.Redis) -> None:
+def test_renew_many_in_one_pipeline_across_chunks(
+    backend: LockBackend, lock_client: redis.Redis
+) -> None:
     count = RENEW_CHUNK_SIZE * 2 + 7
     items = [(f"k{i}", f"v{i}", 1000) for i in range(count)]
     for key, value, ttl in items:
@@ -99,7 +107,10 @@ def test_unreachable_redis_is_a_lock_backend_error(redis_server_factory) -> None
     backend = LockBackend(server.url, {"socket_timeout": 0.5, "socket_connect_timeout": 0.5})
     server.kill()
     started = time.monotonic()
-    with pytest.raises(LockBackendError, match=r"cannot acquire lock 'k': Redis at redis://127.0.0.1:\d+ is unavailable"):
+    with pytest.raises(
+        LockBackendError,
+        match=r"cannot acquire lock 'k': Redis at redis://127.0.0.1:\d+ is unavailable",
+    ):
         backend.acquire("k", "v", 1000)
     assert time.monotonic() - started < 10  # bounded by the client timeouts, not hanging
 
@@ -107,7 +118,7 @@ def test_unreachable_redis_is_a_lock_backend_error(redis_server_factory) -> None
 def test_wrong_password_is_a_clear_error(redis_server_factory) -> None:  # type: ignore[no-untyped-def]
     server = redis_server_factory("--requirepass", "s3cret")
     backend = LockBackend(f"redis://:wrong@127.0.0.1:{server.port}/0")
-    with pytest.raises(LockBackendError, match="unavailable|refused") as info:
+    with pytest.raises(LockBackendError, match=r"unavailable|refused") as info:
         backend.acquire("k", "v", 1000)
     assert "wrong" not in str(info.value)  # the password is not echoed
 
@@ -115,9 +126,15 @@ def test_wrong_password_is_a_clear_error(redis_server_factory) -> None:  # type:
 def test_redis_refusing_scripts_is_a_clear_error(redis_server_factory) -> None:  # type: ignore[no-untyped-def]
     server = redis_server_factory()
     admin = server.client()
-    admin.acl_setuser("noscript", enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all", "-eval", "-evalsha"])
+    admin.acl_setuser(
+        "noscript",
+        enabled=True,
+        passwords=["+pw"],
+        keys=["*"],
+        commands=["+@all", "-eval", "-evalsha"],
+    )
     backend = LockBackend(f"redis://noscript:pw@127.0.0.1:{server.port}/0")
-    with pytest.raises(LockBackendError, match="refused to acquire lock 'k'.*must allow EVAL"):
+    with pytest.raises(LockBackendError, match=r"refused to acquire lock 'k'.*must allow EVAL"):
         backend.acquire("k", "v", 1000)
 
 

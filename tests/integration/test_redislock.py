@@ -8,7 +8,13 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import redis
 
-from celery_redislock import ConfigurationError, LockContended, LockNotOwned, RedisLock, ReleaseOutcome
+from celery_redislock import (
+    ConfigurationError,
+    LockContended,
+    LockNotOwned,
+    RedisLock,
+    ReleaseOutcome,
+)
 
 
 def test_context_manager_acquires_and_releases(lock_client: redis.Redis) -> None:

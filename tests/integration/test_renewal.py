@@ -75,7 +75,9 @@ def test_deleted_lock_is_reported_lost_once_and_others_keep_renewing(
     assert victim.handle is not None and victim.handle.lost_reason == "gone"
     assert not victim.owned
     base = survivor.handle.renewals if survivor.handle else 0
-    wait_until(lambda: survivor.handle is not None and survivor.handle.renewals >= base + 3, timeout=5)
+    wait_until(
+        lambda: survivor.handle is not None and survivor.handle.renewals >= base + 3, timeout=5
+    )
     assert [e["key"] for e in lost_events] == ["victim"]
     assert lost_events[0]["reason"] == "gone"
     assert lock_client.exists("victim") == 0  # never re-created
@@ -118,7 +120,9 @@ def test_release_stops_renewal_and_nothing_resurrects_the_key(lock_client: redis
     assert lock_client.exists("released") == 0
 
 
-def test_renewer_survives_a_redis_restart(redis_server_factory: Any, lost_events: list[dict[str, Any]]) -> None:
+def test_renewer_survives_a_redis_restart(
+    redis_server_factory: Any, lost_events: list[dict[str, Any]]
+) -> None:
     server: RedisServer = redis_server_factory()
     client = server.client()
     lock = RedisLock(client, "restart", ttl=0.9)

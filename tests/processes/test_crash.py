@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -9,7 +10,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import redis
 from celery import Celery
 
 from celery_redislock import is_skipped
@@ -43,8 +43,11 @@ class Cluster:
         return self.producer.send_task(f"{APP}.{task}", args=args, **options)
 
     def started(self, task_id: str, timeout: float = 20) -> dict[str, str]:
-        return wait_until(lambda: self.record.hgetall(f"started:{task_id}"), timeout=timeout,
-                          message=f"task {task_id} to start")
+        return wait_until(
+            lambda: self.record.hgetall(f"started:{task_id}"),
+            timeout=timeout,
+            message=f"task {task_id} to start",
+        )
 
     def close(self) -> None:
         for worker in self.workers:
@@ -68,8 +71,12 @@ def test_sigkill_of_the_pool_child_is_released_by_the_parent(cluster: Cluster) -
     killed_at = time.monotonic()
     os.kill(int(info["pid"]), signal.SIGKILL)
     # TTL is 30 s: only the parent's release can free it this early.
-    wait_until(lambda: cluster.locks.exists(key) == 0, timeout=20, interval=0.05,
-               message="parent to release the dead child's lock")
+    wait_until(
+        lambda: cluster.locks.exists(key) == 0,
+        timeout=20,
+        interval=0.05,
+        message="parent to release the dead child's lock",
+    )
     freed_after = time.monotonic() - killed_at
     print(f"\n[measured] pool child SIGKILL -> lock released after {freed_after:.2f}s (TTL 30s)")
     assert "after its process" in worker.log()
@@ -89,13 +96,13 @@ def test_whole_worker_sigkill_is_freed_by_the_ttl(cluster: Cluster) -> None:
     killed_at = time.monotonic()
     worker.signal(signal.SIGKILL)
     for pid in children:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     wait_until(lambda: cluster.locks.exists(key) == 0, timeout=ttl + 5, interval=0.05)
     freed_after = time.monotonic() - killed_at
-    print(f"\n[measured] whole worker SIGKILL -> lock expired after {freed_after:.2f}s (TTL {ttl}s)")
+    print(
+        f"\n[measured] whole worker SIGKILL -> lock expired after {freed_after:.2f}s (TTL {ttl}s)"
+    )
     assert freed_after <= ttl + 1.0
     cluster.worker(ttl=ttl)
     assert cluster.send("hold", "worker-kill", 0).get(timeout=30)
@@ -107,7 +114,9 @@ def test_hard_time_limit_releases_and_the_next_runs_at_once(cluster: Cluster) ->
     key = cluster.started(first.id)["key"]
     with pytest.raises(Exception, match="TimeLimitExceeded"):
         first.get(timeout=30)
-    wait_until(lambda: cluster.locks.exists(key) == 0, timeout=5, message="release after hard limit")
+    wait_until(
+        lambda: cluster.locks.exists(key) == 0, timeout=5, message="release after hard limit"
+    )
     second = cluster.send("hold", "limit-other", 0)
     assert second.get(timeout=30) == second.id
 
@@ -117,7 +126,9 @@ def test_revoke_with_terminate_releases(cluster: Cluster) -> None:
     first = cluster.send("hold", "revoke", 60)
     key = cluster.started(first.id)["key"]
     cluster.producer.control.revoke(first.id, terminate=True)
-    wait_until(lambda: cluster.locks.exists(key) == 0, timeout=15, message="release after terminate")
+    wait_until(
+        lambda: cluster.locks.exists(key) == 0, timeout=15, message="release after terminate"
+    )
     second = cluster.send("hold", "revoke", 0)
     assert second.get(timeout=30) == second.id
 
@@ -127,7 +138,9 @@ def test_cold_shutdown_releases(cluster: Cluster) -> None:
     first = cluster.send("hold", "cold", 60)
     key = cluster.started(first.id)["key"]
     worker.signal(signal.SIGQUIT)
-    wait_until(lambda: cluster.locks.exists(key) == 0, timeout=15, message="release at cold shutdown")
+    wait_until(
+        lambda: cluster.locks.exists(key) == 0, timeout=15, message="release at cold shutdown"
+    )
     worker.process.wait(15)
 
 
@@ -144,8 +157,12 @@ def test_warm_shutdown_lets_the_holder_finish_with_its_lock(cluster: Cluster) ->
     if is_skipped(outcome):  # it reached the new worker while the first still ran
         assert events == [f"start:{first.id}", f"end:{first.id}"]
     else:  # the stopping worker had prefetched it and restored it at shutdown
-        assert events == [f"start:{first.id}", f"end:{first.id}",
-                          f"start:{duplicate.id}", f"end:{duplicate.id}"]
+        assert events == [
+            f"start:{first.id}",
+            f"end:{first.id}",
+            f"start:{duplicate.id}",
+            f"end:{duplicate.id}",
+        ]
     assert cluster.locks.exists(key) == 0
     worker.process.wait(15)
     other.stop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -36,10 +37,12 @@ def test_500_contended_executions_never_overlap(cluster: Cluster) -> None:  # no
             intervals.append((int(start), int(end)))
             pids.add(pid)
         intervals.sort()
-        overlaps = sum(1 for a, b in zip(intervals, intervals[1:]) if b[0] < a[1])
+        overlaps = sum(1 for a, b in itertools.pairwise(intervals) if b[0] < a[1])
         assert overlaps == 0
     assert len(pids) >= 2, "executions must be spread over several processes"
     waits = int(cluster.record.get("contended:wait") or 0)
-    print(f"\n[measured] {KEYS * PER_KEY} executions over {len(pids)} processes; "
-          f"{waits} waits for a held lock; 0 overlaps")
+    print(
+        f"\n[measured] {KEYS * PER_KEY} executions over {len(pids)} processes; "
+        f"{waits} waits for a held lock; 0 overlaps"
+    )
     assert waits >= len(calls) // 10, "the test must actually contend"

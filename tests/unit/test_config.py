@@ -103,7 +103,10 @@ def test_task_attributes_override_app_settings() -> None:
     def inherited(x: int) -> None: ...
 
     assert (custom._lock_settings().ttl, custom._lock_settings().policy) == (3.0, Wait(timeout=1))
-    assert (inherited._lock_settings().ttl, inherited._lock_settings().policy.name) == (10.0, "raise")
+    assert (inherited._lock_settings().ttl, inherited._lock_settings().policy.name) == (
+        10.0,
+        "raise",
+    )
 
 
 def test_settings_are_read_lazily_and_can_be_forgotten() -> None:

@@ -120,7 +120,9 @@ def test_object_without_stable_encoding_is_a_clear_error() -> None:
     class Opaque:
         pass
 
-    with pytest.raises(LockKeyError, match=r"t: argument 'a'\[0\] of type .*Opaque has no stable encoding"):
+    with pytest.raises(
+        LockKeyError, match=r"t: argument 'a'\[0\] of type .*Opaque has no stable encoding"
+    ):
         key([Opaque()])
 
 
@@ -153,9 +155,15 @@ def test_custom_key_uses_the_callable_and_a_hash_tag() -> None:
 @settings(max_examples=300, deadline=None)
 @given(
     st.recursive(
-        st.none() | st.booleans() | st.integers() | st.text(max_size=8) | st.floats(allow_nan=False),
-        lambda children: st.lists(children, max_size=4)
-        | st.dictionaries(st.text(max_size=4), children, max_size=4),
+        st.none()
+        | st.booleans()
+        | st.integers()
+        | st.text(max_size=8)
+        | st.floats(allow_nan=False),
+        lambda children: (
+            st.lists(children, max_size=4)
+            | st.dictionaries(st.text(max_size=4), children, max_size=4)
+        ),
         max_leaves=12,
     )
 )

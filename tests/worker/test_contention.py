@@ -47,7 +47,10 @@ def signal_log() -> Any:
 
 
 def test_skip_returns_the_skip_result_and_is_visible(
-    app: Celery, record: redis.Redis, lock_client: redis.Redis, signal_log: Any,
+    app: Celery,
+    record: redis.Redis,
+    lock_client: redis.Redis,
+    signal_log: Any,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     @app.task(base=SingletonTask, shared=False, lock_on_contention="skip")
@@ -60,7 +63,12 @@ def test_skip_returns_the_skip_result_and_is_visible(
         result = job.delay(1).get(timeout=20)
         assert job.delay(2).get(timeout=20) == 2  # other arguments: other key, runs
     assert is_skipped(result)
-    assert result == {"__redislock__": "skipped", "key": key, "task": job.name, "holder": "holder-task-id"}
+    assert result == {
+        "__redislock__": "skipped",
+        "key": key,
+        "task": job.name,
+        "holder": "holder-task-id",
+    }
     assert record.get("runs") == "1"
     contended = [kw for name, kw in signal_log if name == "contended"]
     assert len(contended) == 1 and contended[0]["holder_task_id"] == "holder-task-id"
@@ -68,7 +76,9 @@ def test_skip_returns_the_skip_result_and_is_visible(
     assert f"lock {key} is held by holder-task-id" in caplog.text
 
 
-def test_raise_fails_with_a_picklable_lock_contended(app: Celery, lock_client: redis.Redis, pool: str) -> None:
+def test_raise_fails_with_a_picklable_lock_contended(
+    app: Celery, lock_client: redis.Redis, pool: str
+) -> None:
     @app.task(base=SingletonTask, shared=False, lock_on_contention=Raise())
     def job() -> None: ...
 
@@ -85,10 +95,18 @@ def test_raise_fails_with_a_picklable_lock_contended(app: Celery, lock_client: r
 def test_retry_waits_for_the_holder_without_spending_max_retries(
     app: Celery, record: redis.Redis, lock_client: redis.Redis, pool: str
 ) -> None:
-    @app.task(base=SingletonTask, bind=True, shared=False, max_retries=0,
-              lock_on_contention=Retry(countdown=0.2, jitter=0.1, max_retries=50))
+    @app.task(
+        base=SingletonTask,
+        bind=True,
+        shared=False,
+        max_retries=0,
+        lock_on_contention=Retry(countdown=0.2, jitter=0.1, max_retries=50),
+    )
     def job(self: Any) -> str:
-        record.rpush("ran", f"{self.request.retries}:{(self.request.headers or {}).get(LOCK_RETRIES_HEADER, 0)}")
+        record.rpush(
+            "ran",
+            f"{self.request.retries}:{(self.request.headers or {}).get(LOCK_RETRIES_HEADER, 0)}",
+        )
         return "ran"
 
     hold_lock(lock_client, job, ttl=1.0)  # a holder that died: not renewed
@@ -114,14 +132,22 @@ def test_retry_countdown_defaults_to_the_holders_remaining_ttl(
         assert result.get(timeout=30) == "ran"
 
 
-def test_retry_budget_spent_then_fallback(app: Celery, lock_client: redis.Redis, record: redis.Redis) -> None:
-    @app.task(base=SingletonTask, shared=False,
-              lock_on_contention=Retry(countdown=0.05, jitter=0, max_retries=3))
+def test_retry_budget_spent_then_fallback(
+    app: Celery, lock_client: redis.Redis, record: redis.Redis
+) -> None:
+    @app.task(
+        base=SingletonTask,
+        shared=False,
+        lock_on_contention=Retry(countdown=0.05, jitter=0, max_retries=3),
+    )
     def job() -> None:
         record.incr("runs")
 
-    @app.task(base=SingletonTask, shared=False,
-              lock_on_contention=Retry(countdown=0.05, jitter=0, max_retries=2, then=Skip()))
+    @app.task(
+        base=SingletonTask,
+        shared=False,
+        lock_on_contention=Retry(countdown=0.05, jitter=0, max_retries=2, then=Skip()),
+    )
     def job2() -> None:
         record.incr("runs")
 
@@ -151,7 +177,9 @@ def test_wait_takes_the_lock_when_the_holder_releases(
     assert lock_client.exists(key) == 0
 
 
-def test_wait_hand_off_from_a_real_holder(app: Celery, record: redis.Redis, lock_client: redis.Redis) -> None:
+def test_wait_hand_off_from_a_real_holder(
+    app: Celery, record: redis.Redis, lock_client: redis.Redis
+) -> None:
     @app.task(base=SingletonTask, bind=True, shared=False, lock_on_contention=Wait(timeout=30))
     def job(self: Any, tag: str) -> str:
         record.rpush("order", f"start:{tag}")
@@ -189,8 +217,12 @@ def test_redelivered_message_is_retried_not_skipped(
     broker = server.client(BROKER_DB)
     before = broker.llen("tests")
     trace = build_tracer(job.name, job, app=app, eager=False)
-    request = {"delivery_info": {"redelivered": True, "routing_key": "tests", "exchange": ""},
-               "headers": {}, "retries": 0, "hostname": "celery@test"}
+    request = {
+        "delivery_info": {"redelivered": True, "routing_key": "tests", "exchange": ""},
+        "headers": {},
+        "retries": 0,
+        "hostname": "celery@test",
+    }
     trace("redelivered-id", (), {}, {**request, "id": "redelivered-id"})
     assert app.AsyncResult("redelivered-id").state == "RETRY"
     assert broker.llen("tests") == before + 1  # the retry message was published
@@ -202,8 +234,12 @@ def test_redelivered_message_is_retried_not_skipped(
     assert fresh.state == "SUCCESS" and is_skipped(fresh.result)
 
 
-def test_eager_retry_policy_spends_its_budget_at_once(app: Celery, lock_client: redis.Redis) -> None:
-    @app.task(base=SingletonTask, shared=False, lock_on_contention=Retry(countdown=10, max_retries=3))
+def test_eager_retry_policy_spends_its_budget_at_once(
+    app: Celery, lock_client: redis.Redis
+) -> None:
+    @app.task(
+        base=SingletonTask, shared=False, lock_on_contention=Retry(countdown=10, max_retries=3)
+    )
     def job() -> None: ...
 
     hold_lock(lock_client, job, ttl=30)

@@ -36,7 +36,9 @@ def test_success_releases_before_the_result_is_stored(
     assert held is not None and held.owner.task_id == result.id and held.task_name == work.name
 
 
-def test_exception_releases(app: Celery, record: redis.Redis, lock_client: redis.Redis, pool: str) -> None:
+def test_exception_releases(
+    app: Celery, record: redis.Redis, lock_client: redis.Redis, pool: str
+) -> None:
     @app.task(base=SingletonTask, bind=True, shared=False)
     def fail(self: Any) -> None:
         record.set("key", self.lock.key)
@@ -56,7 +58,9 @@ def test_retry_releases_and_the_retry_is_delivered_and_relocks(
     def flaky(self: Any, n: int) -> str:
         value = decoded(lock_client.get(self.lock.key))
         assert value is not None
-        record.rpush("attempts", f"{self.request.retries}:{value.owner.attempt}:{value.owner.task_id}")
+        record.rpush(
+            "attempts", f"{self.request.retries}:{value.owner.attempt}:{value.owner.task_id}"
+        )
         record.set("key", self.lock.key)
         if self.request.retries < 2:
             raise self.retry(countdown=0)
@@ -69,9 +73,16 @@ def test_retry_releases_and_the_retry_is_delivered_and_relocks(
     assert record.lrange("attempts", 0, -1) == [f"{n}:{n}:{result.id}" for n in range(3)]
 
 
-def test_autoretry_for_is_delivered(app: Celery, record: redis.Redis, lock_client: redis.Redis, pool: str) -> None:
-    @app.task(base=SingletonTask, bind=True, shared=False, autoretry_for=(ValueError,),
-              retry_kwargs={"countdown": 0, "max_retries": 2})
+def test_autoretry_for_is_delivered(
+    app: Celery, record: redis.Redis, lock_client: redis.Redis, pool: str
+) -> None:
+    @app.task(
+        base=SingletonTask,
+        bind=True,
+        shared=False,
+        autoretry_for=(ValueError,),
+        retry_kwargs={"countdown": 0, "max_retries": 2},
+    )
     def auto(self: Any) -> int:
         record.set("key", self.lock.key)
         if record.incr("runs") < 2:
@@ -99,7 +110,9 @@ def test_ignore_and_reject_release(
         wait_until(lambda: lock_client.exists(key) == 0, timeout=10, message="lock released")
 
 
-def test_soft_time_limit_releases(app: Celery, record: redis.Redis, lock_client: redis.Redis) -> None:
+def test_soft_time_limit_releases(
+    app: Celery, record: redis.Redis, lock_client: redis.Redis
+) -> None:
     @app.task(base=SingletonTask, bind=True, shared=False, soft_time_limit=0.5)
     def slow(self: Any) -> None:
         record.set("key", self.lock.key)
@@ -114,7 +127,9 @@ def test_soft_time_limit_releases(app: Celery, record: redis.Redis, lock_client:
         assert lock_client.exists(record.get("key")) == 0
 
 
-def test_eager_apply_locks_and_releases(app: Celery, record: redis.Redis, lock_client: redis.Redis) -> None:
+def test_eager_apply_locks_and_releases(
+    app: Celery, record: redis.Redis, lock_client: redis.Redis
+) -> None:
     @app.task(base=SingletonTask, bind=True, shared=False)
     def eager(self: Any, n: int) -> int:
         assert self.lock is not None
@@ -129,7 +144,9 @@ def test_eager_apply_locks_and_releases(app: Celery, record: redis.Redis, lock_c
     assert held is not None and held.owner.task_id == result.id
 
 
-def test_task_always_eager_locks(app_factory: Any, record: redis.Redis, lock_client: redis.Redis) -> None:
+def test_task_always_eager_locks(
+    app_factory: Any, record: redis.Redis, lock_client: redis.Redis
+) -> None:
     app = app_factory(task_always_eager=True, task_eager_propagates=True)
 
     @app.task(base=SingletonTask, bind=True, shared=False)

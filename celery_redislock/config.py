@@ -24,7 +24,14 @@ from celery_redislock.exceptions import ConfigurationError
 from celery_redislock.lock import validate_ttl
 from celery_redislock.policies import ContentionPolicy, resolve_policy
 
-__all__ = ["DEFAULTS", "AppSettings", "app_settings", "validate_backend_error_mode"]
+__all__ = [
+    "DEFAULTS",
+    "AppSettings",
+    "TaskSettings",
+    "app_settings",
+    "validate_backend_error_mode",
+    "validate_hold",
+]
 
 logger = logging.getLogger("celery_redislock.config")
 
@@ -39,6 +46,11 @@ DEFAULTS: Mapping[str, Any] = {
     "redislock_enabled": True,
     "redislock_renew_timeout": 0.5,
     "redislock_backend_error_max_retries": 10,
+    "redislock_enqueue": False,
+    "redislock_enqueue_ttl": 600.0,
+    "redislock_enqueue_raise": False,
+    "redislock_hold_after_success": 0.0,
+    "redislock_beat_on_contention": "skip",
 }
 
 BACKEND_ERROR_MODES = ("fail", "run")
@@ -49,6 +61,13 @@ def validate_backend_error_mode(value: Any, where: str) -> str:
     if value not in BACKEND_ERROR_MODES:
         raise ConfigurationError(f"{where} must be 'fail' or 'run', got {value!r}")
     return str(value)
+
+
+def validate_hold(value: Any, where: str) -> float:
+    """Return ``value`` as seconds >= 0 (0 turns the window off), else raise."""
+    if value == 0:
+        return 0.0
+    return validate_ttl(value, where)
 
 
 @dataclass(frozen=True)
@@ -64,6 +83,11 @@ class AppSettings:
     enabled: bool
     renew_timeout: float
     backend_error_max_retries: int
+    enqueue: bool
+    enqueue_ttl: float
+    enqueue_raise: bool
+    hold_after_success: float
+    beat_on_contention: ContentionPolicy
     backend: LockBackend = field(compare=False, repr=False)
 
 
@@ -123,6 +147,15 @@ def _read(app: Celery) -> AppSettings:
         enabled=bool(_get(app, "redislock_enabled")),
         renew_timeout=renew_timeout,
         backend_error_max_retries=max_retries,
+        enqueue=bool(_get(app, "redislock_enqueue")),
+        enqueue_ttl=validate_ttl(_get(app, "redislock_enqueue_ttl"), "redislock_enqueue_ttl"),
+        enqueue_raise=bool(_get(app, "redislock_enqueue_raise")),
+        hold_after_success=validate_hold(
+            _get(app, "redislock_hold_after_success"), "redislock_hold_after_success"
+        ),
+        beat_on_contention=resolve_policy(
+            _get(app, "redislock_beat_on_contention"), "redislock_beat_on_contention"
+        ),
         backend=LockBackend(url, dict(options), renew_timeout=renew_timeout),
     )
 
@@ -149,3 +182,45 @@ def forget_app_settings(app: Celery) -> None:
         settings = _CACHE.pop(app, None)
     if settings is not None:
         settings.backend.close()
+
+
+@dataclass(frozen=True)
+class TaskSettings:
+    """One task's effective settings: its ``lock_*`` attributes over the app's."""
+
+    app: AppSettings
+    backend: LockBackend
+    enabled: bool
+    ttl: float
+    ttl_ms: int
+    policy: ContentionPolicy
+    beat_policy: ContentionPolicy
+    on_backend_error: str
+    enqueue: bool
+    enqueue_ttl: float
+    enqueue_raise: bool
+    hold_after_success: float
+
+    @classmethod
+    def merge(cls, task: Any, app: AppSettings) -> TaskSettings:
+        """Merge ``task``'s non-None ``lock_*`` attributes over ``app``."""
+
+        def pick(attribute: str, default: Any) -> Any:
+            value = getattr(task, attribute, None)
+            return default if value is None else value
+
+        ttl = float(pick("lock_ttl", app.ttl))
+        return cls(
+            app=app,
+            backend=app.backend,
+            enabled=bool(pick("lock_enabled", app.enabled)),
+            ttl=ttl,
+            ttl_ms=max(int(ttl * 1000), 1),
+            policy=resolve_policy(pick("lock_on_contention", app.on_contention)),
+            beat_policy=resolve_policy(pick("lock_beat_on_contention", app.beat_on_contention)),
+            on_backend_error=str(pick("lock_on_backend_error", app.on_backend_error)),
+            enqueue=bool(pick("lock_enqueue", app.enqueue)),
+            enqueue_ttl=float(pick("lock_enqueue_ttl", app.enqueue_ttl)),
+            enqueue_raise=bool(pick("lock_enqueue_raise", app.enqueue_raise)),
+            hold_after_success=float(pick("lock_hold_after_success", app.hold_after_success)),
+        )

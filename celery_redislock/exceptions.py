@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "AlreadyQueued",
     "ConfigurationError",
     "LockBackendError",
     "LockContended",
@@ -64,6 +65,19 @@ class LockContended(RedisLockError):
         holder = self.holder_task_id or "an unknown holder"
         ttl = "unknown" if self.ttl_remaining is None else f"{self.ttl_remaining:.3f}s"
         return f"lock {self.key!r} is held by {holder} (expires in {ttl} unless renewed)"
+
+
+class AlreadyQueued(LockContended):
+    """A duplicate was not published: the same call is already queued or running.
+
+    Raised by ``apply_async``/``delay`` of a task with ``lock_enqueue`` and
+    ``lock_enqueue_raise`` (otherwise the holder's ``AsyncResult`` is
+    returned). ``holder_task_id`` is the id of the task that holds the key.
+    """
+
+    def __str__(self) -> str:
+        holder = self.holder_task_id or "an unknown holder"
+        return f"not published: {holder} already holds {self.key!r}"
 
 
 class LockNotOwned(RedisLockError):

@@ -191,11 +191,18 @@ class LockHandle:
         self._mark_lost("gone" if outcome is RenewOutcome.GONE else "stolen")
         raise LockNotOwned(self.key, f"it is {self.lost_reason}")
 
-    def release(self) -> ReleaseOutcome | None:
+    def release(self, keep: str | None = None, keep_for: float = 0.0) -> ReleaseOutcome | None:
         """Release the lock; never raises.
 
         The handle leaves the renewer *before* the release is sent, so a
         renewal can never outlive it. Calling it twice is harmless.
+
+        Args:
+            keep: Instead of deleting the key, leave this value in it for
+                ``keep_for`` seconds: pass :attr:`value` to keep the lock as an
+                idempotency window, or a queued retry's value to hand the lock
+                over to that retry. Waiters are not woken then.
+            keep_for: Seconds to keep ``keep``.
 
         Returns:
             What Redis found, or ``None`` if nothing was sent (already
@@ -216,7 +223,12 @@ class LockHandle:
         if self._renewing:
             renewer().unregister(self)
         try:
-            outcome = self.backend.release(self.key, self.value)
+            if keep is None:
+                outcome = self.backend.release(self.key, self.value)
+            else:
+                outcome = self.backend.release(
+                    self.key, self.value, keep, max(int(keep_for * 1000), 1)
+                )
         except Exception as exc:
             logger.error(
                 "could not release lock %s of %s[%s]; it expires within %.1fs: %s",
@@ -250,7 +262,9 @@ class LockHandle:
             task_name=self.task_name,
             task_id=self.task_id,
             held=self.held_for,
-            outcome=outcome.name.lower(),
+            outcome="kept"
+            if keep is not None and outcome is ReleaseOutcome.RELEASED
+            else outcome.name.lower(),
         )
         return outcome
 

@@ -25,6 +25,7 @@ import inspect
 import logging
 import random
 from collections.abc import Callable, Sequence
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 from billiard.exceptions import (
@@ -36,14 +37,22 @@ from billiard.exceptions import (
 from celery import Task
 from celery.exceptions import Reject
 from celery.exceptions import Retry as CeleryRetry
+from celery.signals import task_revoked
+from celery.utils import uuid
 from celery.utils.threads import LocalStack
 from celery.worker.request import Request
 
 from celery_redislock import signals
 from celery_redislock._clock import clock
 from celery_redislock.backend import AcquireResult, ReleaseOutcome
-from celery_redislock.config import AppSettings, app_settings, validate_backend_error_mode
-from celery_redislock.exceptions import ConfigurationError, LockBackendError
+from celery_redislock.config import (
+    AppSettings,
+    TaskSettings,
+    app_settings,
+    validate_backend_error_mode,
+    validate_hold,
+)
+from celery_redislock.exceptions import AlreadyQueued, ConfigurationError, LockBackendError
 from celery_redislock.keys import bind_lock_arguments, custom_key, task_key, validate_lock_args
 from celery_redislock.lock import LockHandle, validate_ttl
 from celery_redislock.policies import (
@@ -59,6 +68,7 @@ from celery_redislock.tokens import LockOwner, LockValue
 __all__ = [
     "BACKEND_RETRIES_HEADER",
     "LOCK_RETRIES_HEADER",
+    "QUEUED_TOKEN_HEADER",
     "SingletonRequest",
     "SingletonTask",
     "SingletonTaskMixin",
@@ -81,6 +91,16 @@ _ABNORMAL_EXITS = (
     SystemExit,
     KeyboardInterrupt,
 )
+
+#: Message header carrying the value a producer stored at enqueue time.
+QUEUED_TOKEN_HEADER = "redislock_token"
+#: Hostname field of a queued (not yet running) lock value.
+QUEUED_HOST = "<queued>"
+
+# Canvas members and tasks carrying callbacks are always published: dropping
+# one would break a chord's counter or lose the rest of a workflow. Retries
+# (same task id) are the owner coming back, never a duplicate.
+_ENQUEUE_BYPASS_OPTIONS = ("retries", "chord", "group_id", "chain", "link", "link_error")
 
 if TYPE_CHECKING:
     _TaskBase = Task[Any, Any]
@@ -106,27 +126,6 @@ def _run_signature(cls: type) -> inspect.Signature | None:
     return signature.replace(parameters=list(signature.parameters.values())[1:])
 
 
-class _TaskLockSettings:
-    """Task attributes merged over one app's settings."""
-
-    def __init__(self, task: SingletonTaskMixin, app: AppSettings) -> None:
-        self.app = app
-        self.backend = app.backend
-        self.enabled = app.enabled if task.lock_enabled is None else bool(task.lock_enabled)
-        self.ttl = app.ttl if task.lock_ttl is None else float(task.lock_ttl)
-        self.ttl_ms = max(int(self.ttl * 1000), 1)
-        self.policy = (
-            app.on_contention
-            if task.lock_on_contention is None
-            else resolve_policy(task.lock_on_contention)
-        )
-        self.on_backend_error = (
-            app.on_backend_error
-            if task.lock_on_backend_error is None
-            else task.lock_on_backend_error
-        )
-
-
 class SingletonTaskMixin(_TaskBase):
     """Makes a Celery task a singleton per lock key; combine with any Task base.
 
@@ -144,6 +143,17 @@ class SingletonTaskMixin(_TaskBase):
         lock_on_backend_error: ``"fail"`` (do not run unprotected: retry with
             backoff) or ``"run"`` (run without the lock, with a WARNING).
         lock_enabled: False turns the lock off for this task.
+        lock_enqueue: Also take the lock in ``apply_async``/``delay``, before
+            publishing: a duplicate call is not published and gets the
+            holder's ``AsyncResult`` (or :class:`AlreadyQueued`).
+        lock_enqueue_ttl: Seconds a queued (not yet started) task holds its
+            key; a countdown or ETA is added to it.
+        lock_enqueue_raise: A duplicate ``delay()`` raises
+            :class:`AlreadyQueued` instead of returning the holder's result.
+        lock_hold_after_success: Keep the key this many seconds after a
+            successful run, so a late duplicate is still deduplicated.
+        lock_beat_on_contention: Policy for runs sent by celery beat
+            (default ``"skip"``).
     """
 
     lock_args: Sequence[str] | None = None
@@ -152,6 +162,11 @@ class SingletonTaskMixin(_TaskBase):
     lock_on_contention: str | ContentionPolicy | None = None
     lock_on_backend_error: str | None = None
     lock_enabled: bool | None = None
+    lock_enqueue: bool | None = None
+    lock_enqueue_ttl: float | None = None
+    lock_enqueue_raise: bool | None = None
+    lock_hold_after_success: float | None = None
+    lock_beat_on_contention: str | ContentionPolicy | None = None
 
     #: The worker's request class; it adds the parent-side release.
     Request = "celery_redislock.task:SingletonRequest"
@@ -160,7 +175,7 @@ class SingletonTaskMixin(_TaskBase):
     # Thread- (or greenlet-) local, like Celery's request stack: one task
     # instance serves every thread of the threads pool at once.
     _redislock_held: Any = LocalStack()
-    _redislock_settings: tuple[AppSettings, _TaskLockSettings] | None = None
+    _redislock_settings: tuple[AppSettings, TaskSettings] | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -171,6 +186,12 @@ class SingletonTaskMixin(_TaskBase):
             validate_ttl(cls.lock_ttl, f"{where}: lock_ttl")
         if cls.lock_on_contention is not None:
             resolve_policy(cls.lock_on_contention, f"{where}: lock_on_contention")
+        if cls.lock_beat_on_contention is not None:
+            resolve_policy(cls.lock_beat_on_contention, f"{where}: lock_beat_on_contention")
+        if cls.lock_enqueue_ttl is not None:
+            validate_ttl(cls.lock_enqueue_ttl, f"{where}: lock_enqueue_ttl")
+        if cls.lock_hold_after_success is not None:
+            validate_hold(cls.lock_hold_after_success, f"{where}: lock_hold_after_success")
         if cls.lock_on_backend_error is not None:
             validate_backend_error_mode(
                 cls.lock_on_backend_error, f"{where}: lock_on_backend_error"
@@ -210,13 +231,86 @@ class SingletonTaskMixin(_TaskBase):
         arguments = bind_lock_arguments(signature, args, kwargs or {}, lock_args, self.name)
         return task_key(prefix, self.name, arguments)
 
-    def _lock_settings(self) -> _TaskLockSettings:
+    def _lock_settings(self) -> TaskSettings:
         app = app_settings(self.app)
         cached = self._redislock_settings
         if cached is None or cached[0] is not app:
-            cached = (app, _TaskLockSettings(self, app))
+            cached = (app, TaskSettings.merge(self, app))
             self._redislock_settings = cached
         return cached[1]
+
+    # -- enqueue time ------------------------------------------------------------------
+
+    def apply_async(  # type: ignore[override]
+        self,
+        args: Sequence[Any] | None = None,
+        kwargs: dict[str, Any] | None = None,
+        **options: Any,
+    ) -> Any:
+        """Publish the task; with ``lock_enqueue``, only if its key is free.
+
+        A duplicate is not published: it returns the holder's ``AsyncResult``
+        (so ``.get()`` gives the first task's result), or raises
+        :class:`AlreadyQueued` with ``lock_enqueue_raise``. Retries, canvas
+        members and tasks carrying callbacks are always published (their run
+        is still protected by the worker-side lock).
+        """
+        settings = self._lock_settings()
+        if (
+            not (settings.enabled and settings.enqueue)
+            or self.app.conf.task_always_eager
+            or any(options.get(name) for name in _ENQUEUE_BYPASS_OPTIONS)
+        ):
+            return super().apply_async(None if args is None else tuple(args), kwargs, **options)
+        args, kwargs = tuple(args or ()), dict(kwargs or {})
+        key = self.lock_key_for(args, kwargs)
+        task_id = options.pop("task_id", None) or uuid()
+        token = LockValue.new(LockOwner(task_id, 0, QUEUED_HOST, None), self.name).encode()
+        ttl = settings.enqueue_ttl + _seconds_until(options.get("eta") or options.get("countdown"))
+        try:
+            result = settings.backend.acquire(key, token, max(int(ttl * 1000), 1))
+        except LockBackendError as exc:
+            # Never drop the task: publish without the enqueue lock; the
+            # worker's run-time lock still keeps executions apart.
+            logger.warning(
+                "publishing %s[%s] without its enqueue lock: %s", self.name, task_id, exc
+            )
+            return super().apply_async(args, kwargs, task_id=task_id, **options)
+        if not result.acquired:
+            return self._duplicate(settings, key, task_id, result)
+        headers = {**(options.pop("headers", None) or {}), QUEUED_TOKEN_HEADER: token}
+        try:
+            return super().apply_async(args, kwargs, task_id=task_id, headers=headers, **options)
+        except BaseException:
+            settings.backend.release(key, token)  # nothing was queued: free the key
+            raise
+
+    def _duplicate(
+        self, settings: TaskSettings, key: str, task_id: str, result: AcquireResult
+    ) -> Any:
+        holder = result.holder_task_id
+        logger.info(
+            "%s[%s] not published: %s already holds lock %s", self.name, task_id, holder, key
+        )
+        signals.lock_contended.send(
+            sender=self,
+            key=key,
+            task_name=self.name,
+            task_id=task_id,
+            holder_task_id=holder,
+            ttl_remaining=result.ttl_remaining,
+            policy="deduplicated",
+        )
+        if settings.enqueue_raise or holder is None:
+            raise AlreadyQueued(key, holder, result.ttl_remaining)
+        return self.AsyncResult(holder)
+
+    def release_queued_lock(self, args: Sequence[Any], kwargs: dict[str, Any], token: str) -> None:
+        """Free the key of a queued task that will never run (revoked, expired)."""
+        settings = self._lock_settings()
+        if settings.enabled:
+            key = self.lock_key_for(args, kwargs or {})
+            settings.backend.release(key, token)
 
     # -- the execution ---------------------------------------------------------------
 
@@ -230,16 +324,28 @@ class SingletonTaskMixin(_TaskBase):
         outcome = self._take_lock(settings, args, kwargs)
         if not isinstance(outcome, LockHandle) and outcome is not None:
             return outcome.result
+        keep: tuple[str, float] | None = None
         self._redislock_held.push(outcome)
         try:
-            return super().__call__(*args, **kwargs)
+            result = super().__call__(*args, **kwargs)
+            if settings.hold_after_success and outcome is not None:
+                # An idempotency window: a late duplicate still finds the key.
+                keep = (outcome.value, settings.hold_after_success)
+            return result
+        except CeleryRetry as retry:
+            token = _queued_token(request)
+            if settings.enqueue and token:
+                # The retry keeps ownership: the key goes back to the queued
+                # value that the retried message carries and will adopt.
+                keep = (token, settings.enqueue_ttl + _seconds_until(retry.when))
+            raise
         finally:
             self._redislock_held.pop()
             if outcome is not None:
-                outcome.release()
+                outcome.release(*keep) if keep else outcome.release()
 
     def _take_lock(
-        self, settings: _TaskLockSettings, args: Sequence[Any], kwargs: dict[str, Any]
+        self, settings: TaskSettings, args: Sequence[Any], kwargs: dict[str, Any]
     ) -> LockHandle | _Result | None:
         """Return the held lock, a result to return instead of running, or None.
 
@@ -250,8 +356,9 @@ class SingletonTaskMixin(_TaskBase):
         owner = LockOwner.current(request.id, request.retries or 0, request.hostname)
         value = LockValue.new(owner, self.name).encode()
         started = clock()
+        adopt = _queued_token(request) or ""
         try:
-            result = settings.backend.acquire(key, value, settings.ttl_ms)
+            result = settings.backend.acquire(key, value, settings.ttl_ms, adopt)
         except LockBackendError as exc:
             self._on_backend_error(settings, key, exc)
             return None
@@ -261,7 +368,9 @@ class SingletonTaskMixin(_TaskBase):
         granted: list[AcquireResult] = []
 
         def wait_for_lock(timeout: float) -> bool:
-            waited = settings.backend.acquire_waiting(key, value, settings.ttl_ms, timeout)
+            waited = settings.backend.acquire_waiting(
+                key, value, settings.ttl_ms, timeout, adopt=adopt
+            )
             if waited.acquired:
                 granted.append(waited)
             return waited.acquired
@@ -282,7 +391,10 @@ class SingletonTaskMixin(_TaskBase):
                 {LOCK_RETRIES_HEADER: int(headers.get(LOCK_RETRIES_HEADER) or 0) + 1},
             ),
         )
-        policy = settings.policy
+        from_beat = bool(
+            headers.get("celery_beat_task") or getattr(request, "celery_beat_task", None)
+        )
+        policy = settings.beat_policy if from_beat else settings.policy
         if isinstance(policy, Skip) and (
             contention.redelivered or contention.holder_task_id == request.id
         ):
@@ -314,7 +426,7 @@ class SingletonTaskMixin(_TaskBase):
 
     def _granted(
         self,
-        settings: _TaskLockSettings,
+        settings: TaskSettings,
         key: str,
         value: str,
         result: AcquireResult,
@@ -340,9 +452,7 @@ class SingletonTaskMixin(_TaskBase):
         )
         return handle
 
-    def _on_backend_error(
-        self, settings: _TaskLockSettings, key: str, exc: LockBackendError
-    ) -> None:
+    def _on_backend_error(self, settings: TaskSettings, key: str, exc: LockBackendError) -> None:
         request = self.request
         if settings.on_backend_error == "run":
             logger.warning(
@@ -408,6 +518,7 @@ class SingletonTaskMixin(_TaskBase):
         args: Sequence[Any],
         kwargs: dict[str, Any],
         reason: str,
+        requeued_token: str | None = None,
     ) -> ReleaseOutcome | None:
         """Release the lock of an execution whose process died (worker parent side).
 
@@ -419,6 +530,13 @@ class SingletonTaskMixin(_TaskBase):
             return None
         key = self.lock_key_for(args, kwargs)
         owner = LockOwner(task_id, attempt, hostname, pid)
+        if requeued_token and settings.enqueue:
+            # The message goes back to the queue (retry_on_worker_lost, or
+            # acks_late + reject_on_worker_lost): keep its key for it.
+            ttl = settings.enqueue_ttl + float(self.default_retry_delay or 0)
+            return settings.backend.release_owner(
+                key, owner.prefix(), requeued_token, int(ttl * 1000)
+            )
         outcome = settings.backend.release_owner(key, owner.prefix())
         if outcome is ReleaseOutcome.RELEASED:
             logger.warning(
@@ -460,13 +578,22 @@ class SingletonRequest(Request):
         exc = getattr(exc_info, "exception", None)
         exc = getattr(exc, "exc", exc)  # unwrap billiard's ExceptionWithTraceback
         if isinstance(exc, _ABNORMAL_EXITS):
-            self._release_child_lock(type(exc).__name__)
+            task = self.task
+            requeued = isinstance(exc, WorkerLostError) and bool(
+                getattr(task, "retry_on_worker_lost", False)
+                or (task.acks_late and task.reject_on_worker_lost)
+            )
+            self._release_child_lock(type(exc).__name__, requeued)
         super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 
-    def _release_child_lock(self, reason: str) -> None:
+    def _release_child_lock(self, reason: str, requeued: bool = False) -> None:
         task = self.task
         if not isinstance(task, SingletonTaskMixin):
             return
+        token = None
+        if requeued:
+            headers = self.request_dict.get("headers") or {}
+            token = headers.get(QUEUED_TOKEN_HEADER) or self.request_dict.get(QUEUED_TOKEN_HEADER)
         try:
             task.release_dead_child_lock(
                 self.id,
@@ -476,8 +603,58 @@ class SingletonRequest(Request):
                 self.args,
                 self.kwargs,
                 reason,
+                token,
             )
         except Exception:
             logger.exception(
                 "could not release the lock of %s[%s] (%s)", self.name, self.id, reason
             )
+
+
+def _queued_token(request: Any) -> str | None:
+    """The enqueue-time value a message carries, if it is this task's own."""
+    token = (request.headers or {}).get(QUEUED_TOKEN_HEADER) or getattr(
+        request, QUEUED_TOKEN_HEADER, None
+    )
+    if not isinstance(token, str):
+        return None
+    decoded = LockValue.decode(token)
+    if decoded is None or decoded.owner.task_id != request.id:
+        return None
+    return token
+
+
+def _seconds_until(when: Any) -> float:
+    """Seconds from now until a countdown (number) or an ETA (datetime/ISO)."""
+    if when is None:
+        return 0.0
+    if isinstance(when, (int, float)):
+        return max(float(when), 0.0)
+    if isinstance(when, str):
+        when = datetime.fromisoformat(when)
+    if isinstance(when, datetime):
+        now = datetime.now(when.tzinfo) if when.tzinfo else datetime.now()
+        return max((when - now).total_seconds(), 0.0)
+    return 0.0
+
+
+@task_revoked.connect
+def _release_revoked_queued_lock(
+    sender: Any = None, request: Any = None, terminated: bool = False, **kwargs: Any
+) -> None:
+    """A task revoked or expired before it started frees its enqueue-time key.
+
+    Runs in the worker's main process. A running execution has already
+    replaced the queued value with its own, which this compare leaves alone.
+    """
+    if not isinstance(sender, SingletonTaskMixin) or request is None or terminated:
+        return
+    token = _queued_token(request)
+    if token is None:
+        return
+    try:
+        sender.release_queued_lock(request.args or (), request.kwargs or {}, token)
+    except Exception:
+        logger.exception(
+            "could not free the queued lock of revoked %s[%s]", sender.name, request.id
+        )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from celery_redislock.backend import ReleaseOutcome
 from celery_redislock.exceptions import (
+    AlreadyQueued,
     ConfigurationError,
     LockBackendError,
     LockContended,
@@ -34,6 +35,7 @@ from celery_redislock.task import SingletonRequest, SingletonTask, SingletonTask
 __version__ = "0.1.0"
 
 __all__ = [
+    "AlreadyQueued",
     "ConfigurationError",
     "Contention",
     "ContentionPolicy",

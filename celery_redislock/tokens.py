@@ -87,10 +87,18 @@ class LockValue:
 
     def encode(self) -> str:
         """Return the string stored in Redis."""
-        return (
-            f"{self.owner.prefix()}{self.nonce}{_SEPARATOR}{_text(self.task_name)}"
-            f"{_SEPARATOR}{self.acquired_ms}"
-        )
+        owner = self.owner
+        fields = [
+            _VERSION,
+            _text(owner.task_id),
+            str(owner.attempt),
+            _text(owner.hostname),
+            "" if owner.pid is None else str(owner.pid),
+            self.nonce,
+            _text(self.task_name),
+            str(self.acquired_ms),
+        ]
+        return _SEPARATOR.join(fields)
 
     @classmethod
     def decode(cls, raw: str | bytes) -> LockValue | None:

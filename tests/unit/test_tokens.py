@@ -61,3 +61,10 @@ def test_exceptions_survive_pickle_with_their_fields() -> None:
     assert "holder-id" in str(error)
     lost = pickle.loads(pickle.dumps(LockLost("k", "gone")))
     assert isinstance(lost, LockNotOwned) and lost.detail == "gone"
+
+
+def test_a_value_without_pid_round_trips_and_matches_its_prefix() -> None:
+    owner = LockOwner("queued-id", 0, "<queued>", None)
+    value = LockValue.new(owner, "t")
+    assert LockValue.decode(value.encode()) == value
+    assert value.encode().startswith(owner.prefix())

@@ -1,0 +1,276 @@
+"""Enqueue-time deduplication (lock_enqueue): one queued-or-running task per key."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery, chain, group
+
+from celery_redislock import AlreadyQueued, Retry, SingletonTask, is_skipped
+from celery_redislock.task import QUEUED_TOKEN_HEADER
+from tests.conftest import BROKER_DB, embedded_worker
+from tests.helpers import decoded, hold_lock
+from tests.servers import RedisServer, wait_until
+
+pytestmark = pytest.mark.worker
+
+
+def queued(server: RedisServer) -> int:
+    return int(server.client(BROKER_DB).llen("tests"))
+
+
+def test_three_concurrent_delays_publish_once_and_share_one_id(
+    app: Celery, server: RedisServer, record: redis.Redis, lock_client: redis.Redis
+) -> None:
+    @app.task(base=SingletonTask, shared=False, lock_enqueue=True)
+    def process_payment(webhook_id: str) -> str:
+        record.incr("runs")
+        return f"processed {webhook_id}"
+
+    barrier = threading.Barrier(3)
+
+    def deliver(_: int) -> Any:
+        barrier.wait()
+        return process_payment.delay("wh-1")
+
+    with ThreadPoolExecutor(3) as pool:
+        handles = list(pool.map(deliver, range(3)))
+    assert len({h.id for h in handles}) == 1
+    assert queued(server) == 1
+    key = process_payment.lock_key_for(("wh-1",), {})
+    value = decoded(lock_client.get(key))
+    assert value is not None and value.owner.task_id == handles[0].id
+    with embedded_worker(app, "threads", 2):
+        assert [h.get(timeout=20) for h in handles] == ["processed wh-1"] * 3
+    assert record.get("runs") == "1"
+    assert lock_client.exists(key) == 0
+
+
+def test_raise_mode_gives_a_picklable_already_queued(app: Celery, lock_client: redis.Redis) -> None:
+    @app.task(base=SingletonTask, shared=False, lock_enqueue=True, lock_enqueue_raise=True)
+    def job(n: int) -> None: ...
+
+    first = job.delay(1)
+    with pytest.raises(AlreadyQueued) as info:
+        job.delay(1)
+    error = pickle.loads(pickle.dumps(info.value))
+    assert error.holder_task_id == first.id and error.key == job.lock_key_for((1,), {})
+    assert error.ttl_remaining is not None and error.ttl_remaining > 500
+    assert job.delay(2).id != first.id  # other arguments are not duplicates
+
+
+def test_the_worker_adopts_the_queued_lock(
+    app: Celery, record: redis.Redis, lock_client: redis.Redis
+) -> None:
+    @app.task(base=SingletonTask, bind=True, shared=False, lock_enqueue=True, lock_ttl=7)
+    def job(self: Any) -> None:
+        value = decoded(lock_client.get(self.lock.key))
+        assert value is not None
+        record.set("owner", f"{value.owner.task_id}|{value.owner.hostname}")
+        record.set("pttl", lock_client.pttl(self.lock.key))
+
+    result = job.delay()
+    with embedded_worker(app, "prefork", 1):
+        result.get(timeout=20)
+    task_id, host = record.get("owner").split("|")
+    assert task_id == result.id and host != "<queued>"  # the running value replaced the queued one
+    assert 0 < int(record.get("pttl")) <= 7000  # the run TTL, not the queue TTL
+
+
+def test_publish_failure_leaves_no_lock(
+    app_factory: Any, redis_server_factory: Any, lock_client: redis.Redis
+) -> None:
+    dead_broker: RedisServer = redis_server_factory()
+    app = app_factory(
+        broker_url=dead_broker.url,
+        task_publish_retry=False,
+        broker_connection_timeout=0.5,
+        broker_transport_options={"socket_connect_timeout": 0.5, "socket_timeout": 0.5},
+    )
+
+    @app.task(base=SingletonTask, shared=False, lock_enqueue=True)
+    def job(n: int) -> None: ...
+
+    dead_broker.kill()
+    with pytest.raises(Exception):  # noqa: B017  (kombu's OperationalError or a redis error)
+        job.delay(1)
+    assert lock_client.exists(job.lock_key_for((1,), {})) == 0
+
+
+def test_revoked_before_start_frees_the_key(
+    app_factory: Any, record: redis.Redis, lock_client: redis.Redis
+) -> None:
+    # acks_late + prefetch 1: the worker cannot fetch the job while the
+    # blocker runs, so the job is still in the queue when it is revoked.
+    app = app_factory(worker_prefetch_multiplier=1)
+
+    @app.task(base=SingletonTask, shared=False, lock_enabled=False, acks_late=True)
+    def blocker() -> None:
+        wait_until(lambda: record.get("go"), timeout=30)
+
+    @app.task(base=SingletonTask, shared=False, lock_enqueue=True)
+    def job(n: int) -> int:
+        record.incr("runs")
+        return n
+
+    with embedded_worker(app, "threads", 1):
+        busy = blocker.delay()
+        first = job.delay(1)
+        key = job.lock_key_for((1,), {})
+        assert job.delay(1).id == first.id
+        assert app.control.revoke(first.id, reply=True, timeout=5)  # the worker has it
+        record.set("go", 1)
+        busy.get(timeout=20)
+        wait_until(lambda: lock_client.exists(key) == 0, timeout=20, message="revoked task's key")
+        second = job.delay(1)
+        assert second.id != first.id
+        assert second.get(timeout=20) == 1
+    assert record.get("runs") == "1"
+
+
+def test_expired_before_start_frees_the_key(
+    app_factory: Any, record: redis.Redis, lock_client: redis.Redis
+) -> None:
+    app = app_factory(worker_prefetch_multiplier=1)
+
+    @app.task(base=SingletonTask, shared=False, lock_enabled=False, acks_late=True)
+    def blocker() -> None:
+        wait_until(lambda: record.get("go"), timeout=30)
+
+    @app.task(base=SingletonTask, shared=False, lock_enqueue=True)
+    def job(n: int) -> int:
+        return n
+
+    with embedded_worker(app, "threads", 1):
+        busy = blocker.delay()
+        first = job.apply_async((1,), expires=0.2)
+        key = job.lock_key_for((1,), {})
+        assert lock_client.exists(key)
+        wait_until(lambda: lock_client.pttl(key) < 600_000 - 300, timeout=5)  # past expiry
+        record.set("go", 1)
+        busy.get(timeout=20)
+        wait_until(lambda: lock_client.exists(key) == 0, timeout=20, message="expired task's key")
+        assert first.state == "REVOKED"
+        assert job.delay(1).get(timeout=20) == 1
+
+
+def test_retry_keeps_ownership_and_is_delivered(
+    app: Celery, record: redis.Redis, lock_client: redis.Redis
+) -> None:
+    @app.task(base=SingletonTask, bind=True, shared=False, lock_enqueue=True)
+    def job(self: Any, n: int) -> int:
+        record.rpush("attempts", self.request.retries)
+        if self.request.retries == 0:
+            raise self.retry(countdown=1.5)
+        return int(self.request.retries)
+
+    key = job.lock_key_for((1,), {})
+    with embedded_worker(app, "threads", 2):
+        first = job.delay(1)
+        wait_until(lambda: record.llen("attempts") == 1, timeout=20)
+        wait_until(lambda: app.AsyncResult(first.id).state == "RETRY", timeout=10)
+        # During the retry countdown the key still belongs to this task.
+        assert job.delay(1).id == first.id
+        assert first.get(timeout=20) == 1
+    assert record.lrange("attempts", 0, -1) == ["0", "1"]
+    assert lock_client.exists(key) == 0
+
+
+def test_countdown_longer_than_the_queue_ttl_is_covered(
+    app: Celery, lock_client: redis.Redis
+) -> None:
+    @app.task(base=SingletonTask, shared=False, lock_enqueue=True, lock_enqueue_ttl=1)
+    def job(n: int) -> int:
+        return n
+
+    first = job.apply_async((1,), countdown=5)
+    key = job.lock_key_for((1,), {})
+    assert lock_client.pttl(key) > 5000  # queue TTL 1 s + the 5 s countdown
+    assert job.delay(1).id == first.id
+
+
+def test_hold_after_success_drops_a_late_duplicate(app: Celery, record: redis.Redis) -> None:
+    @app.task(base=SingletonTask, shared=False, lock_enqueue=True, lock_hold_after_success=60)
+    def webhook(event_id: str) -> str:
+        record.incr("runs")
+        return f"handled {event_id}"
+
+    @app.task(base=SingletonTask, shared=False, lock_enqueue=True)
+    def no_window(event_id: str) -> str:
+        record.incr("runs-no-window")
+        return event_id
+
+    with embedded_worker(app, "threads", 2):
+        first = webhook.delay("evt")
+        assert first.get(timeout=20) == "handled evt"
+        late = webhook.delay("evt")  # the provider's redelivery, after success
+        assert late.id == first.id and late.get(timeout=20) == "handled evt"
+        assert no_window.delay("x").get(timeout=20) == "x"
+        assert no_window.delay("x").get(timeout=20) == "x"
+    assert record.get("runs") == "1"
+    assert record.get("runs-no-window") == "2"
+
+
+def test_canvas_members_are_published_and_complete(app: Celery, record: redis.Redis) -> None:
+    @app.task(
+        base=SingletonTask,
+        shared=False,
+        lock_enqueue=True,
+        lock_on_contention=Retry(countdown=0.1, jitter=0.1),
+    )
+    def step(n: int) -> int:
+        record.incr("steps")
+        return n + 1
+
+    @app.task(shared=False)
+    def total(values: list[int]) -> int:
+        return sum(values)
+
+    with embedded_worker(app, "threads", 3):
+        # Identical group members: all published, none dropped, group completes.
+        assert group(step.s(1) for _ in range(3)).apply_async().get(timeout=30) == [2, 2, 2]
+        # A task carrying the rest of a chain is published, so the chain runs.
+        assert chain(step.s(1), step.s(), step.s()).apply_async().get(timeout=30) == 4
+        assert (group(step.s(n) for n in range(3)) | total.s()).apply_async().get(timeout=30) == 6
+    assert int(record.get("steps")) == 3 + 3 + 3
+
+
+def test_beat_runs_skip_even_when_the_task_retries(app: Celery, lock_client: redis.Redis) -> None:
+    @app.task(base=SingletonTask, shared=False, lock_on_contention="retry")
+    def nightly() -> str:
+        return "ran"
+
+    hold_lock(lock_client, nightly, ttl=30)
+    with embedded_worker(app, "threads", 2):
+        assert is_skipped(nightly.apply_async(headers={"celery_beat_task": True}).get(timeout=20))
+
+
+def test_send_task_is_still_protected_at_run_time(app: Celery, record: redis.Redis) -> None:
+    @app.task(base=SingletonTask, bind=True, shared=False, lock_enqueue=True, name="enq.job")
+    def job(self: Any) -> str:
+        record.set("started", 1)
+        wait_until(lambda: record.get("go"), timeout=30)
+        return "first"
+
+    with embedded_worker(app, "threads", 2):
+        first = job.delay()
+        wait_until(lambda: record.get("started"), timeout=20)
+        assert is_skipped(app.send_task("enq.job").get(timeout=20))  # bypassed apply_async
+        record.set("go", 1)
+        assert first.get(timeout=20) == "first"
+
+
+def test_token_header_of_another_task_is_not_adopted(app: Celery, lock_client: redis.Redis) -> None:
+    @app.task(base=SingletonTask, shared=False, lock_enqueue=True)
+    def job() -> str:
+        return "ran"
+
+    _, value = hold_lock(lock_client, job, holder_task_id="someone-else", ttl=30)
+    # A message forging another task's queued value must not take its lock.
+    result = job.apply(headers={QUEUED_TOKEN_HEADER: value})
+    assert is_skipped(result.get())

@@ -1,0 +1,1 @@
+"""Integrations with optional dependencies (each imports its own lazily)."""

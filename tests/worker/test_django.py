@@ -1,0 +1,101 @@
+"""DjangoSingletonTask: delay_on_commit keeps working and is deduplicated."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+from tests.conftest import BROKER_DB, embedded_worker
+from tests.servers import RedisServer
+
+django = pytest.importorskip("django")
+
+pytestmark = pytest.mark.worker
+
+
+@pytest.fixture(scope="module")
+def django_db() -> Any:
+    from django.conf import settings
+
+    if not settings.configured:
+        settings.configure(
+            DATABASES={"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"}},
+            INSTALLED_APPS=["django.contrib.contenttypes"],
+            USE_TZ=True,
+        )
+        django.setup()
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("CREATE TABLE IF NOT EXISTS payment (id TEXT PRIMARY KEY, status TEXT)")
+    return connection
+
+
+def test_delay_on_commit_publishes_once_after_commit(
+    django_db: Any, app: Celery, server: RedisServer, record: redis.Redis, lock_client: redis.Redis
+) -> None:
+    from django.db import transaction
+
+    from celery_redislock.contrib.django import DjangoSingletonTask
+
+    @app.task(base=DjangoSingletonTask, shared=False, lock_enqueue=True)
+    def process_payment(payment_id: str) -> str:
+        record.incr("runs")
+        return payment_id
+
+    broker = server.client(BROKER_DB)
+    with transaction.atomic():
+        with django_db.cursor() as cursor:
+            cursor.execute("INSERT INTO payment VALUES ('p1', 'paid')")
+        for _ in range(3):  # the same webhook three times inside one transaction
+            process_payment.delay_on_commit("p1")
+        assert broker.llen("tests") == 0  # nothing before COMMIT
+    assert broker.llen("tests") == 1  # one publish after COMMIT
+    with embedded_worker(app, "threads", 2):
+        key = process_payment.lock_key_for(("p1",), {})
+        from tests.servers import wait_until
+
+        wait_until(lambda: record.get("runs") == "1" and not lock_client.exists(key), timeout=20)
+
+
+def test_rollback_publishes_nothing_and_leaves_no_lock(
+    django_db: Any, app: Celery, server: RedisServer, lock_client: redis.Redis
+) -> None:
+    from django.db import transaction
+
+    from celery_redislock.contrib.django import DjangoSingletonTask
+
+    @app.task(base=DjangoSingletonTask, shared=False, lock_enqueue=True)
+    def process_payment(payment_id: str) -> str:
+        return payment_id
+
+    with pytest.raises(RuntimeError), transaction.atomic():
+        process_payment.delay_on_commit("p2")
+        raise RuntimeError("rolled back")
+    assert server.client(BROKER_DB).llen("tests") == 0
+    assert lock_client.dbsize() == 0
+
+
+def test_app_wide_task_cls(django_db: Any, server: RedisServer) -> None:
+    from celery_redislock.contrib.django import DjangoSingletonTask
+    from tests.conftest import make_app
+
+    conf = make_app(server).conf
+    app = Celery(
+        "django-wide",
+        task_cls="celery_redislock.contrib.django:DjangoSingletonTask",
+        set_as_current=False,
+    )
+    app.conf.update({key: conf[key] for key in ("broker_url", "result_backend", "redislock_url")})
+
+    @app.task(shared=False)
+    def anything(x: int) -> int:
+        return x
+
+    assert isinstance(anything, DjangoSingletonTask)
+    assert hasattr(anything, "delay_on_commit")
+    assert anything.apply((3,)).get() == 3
+    app.close()

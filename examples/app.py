@@ -67,12 +67,20 @@ def _leave(name: str) -> None:
     stats().decr(f"running:{name}")
 
 
-@app.task(base=SingletonTask, bind=True, lock_args=("payment_id",), lock_on_contention=Skip())
+@app.task(
+    base=SingletonTask,
+    bind=True,
+    lock_args=("payment_id",),
+    lock_enqueue=True,  # a duplicate delay() is not even published
+    lock_hold_after_success=60,  # a late redelivery within a minute is dropped too
+    lock_on_contention=Skip(),
+)
 def process_payment(self: Any, payment_id: str, payload: dict[str, Any] | None = None) -> str:
-    """Handle a payment provider's webhook; duplicates of one payment are skipped.
+    """Handle a payment provider's webhook exactly once per payment.
 
-    The provider may deliver the same webhook several times within a second;
-    only ``payment_id`` makes up the lock key, so the payload can differ.
+    The provider may deliver the same webhook several times within a second,
+    and again later; only ``payment_id`` makes up the lock key, so the payload
+    can differ. Every caller gets a handle to the one task that runs.
     """
     _enter(f"payment:{payment_id}")
     try:

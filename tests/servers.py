@@ -163,7 +163,7 @@ def _supports_debug_flag(binary: str) -> bool:
 
 
 class CeleryWorkerProcess:
-    """A real ``celery worker`` subprocess for crash, time-limit and shutdown tests."""
+    """A real ``celery worker`` (or ``celery beat``) subprocess, logging to a file."""
 
     def __init__(
         self,
@@ -174,36 +174,22 @@ class CeleryWorkerProcess:
         concurrency: int = 1,
         name: str = "w1",
         extra: tuple[str, ...] = (),
+        command: str = "worker",
     ) -> None:
         self.logfile = tempfile.NamedTemporaryFile(
             prefix=f"redislock-worker-{name}-", suffix=".log", delete=False
         )
         self.name = name
-        command = [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            app,
-            "worker",
-            "-P",
-            pool,
-            "-c",
-            str(concurrency),
-            "-n",
-            f"{name}@%h",
-            "-l",
-            "info",
-            "--without-heartbeat",
-            "--without-mingle",
-            "--without-gossip",
-            "--prefetch-multiplier",
-            "1",
-            *extra,
-        ]
+        if command == "worker":
+            arguments = ["worker", "-P", pool, "-c", str(concurrency), "-n", f"{name}@%h"]
+            arguments += ["--without-heartbeat", "--without-mingle", "--without-gossip"]
+            arguments += ["--prefetch-multiplier", "1"]
+        else:
+            arguments = [command]
+        command_line = [sys.executable, "-m", "celery", "-A", app, *arguments, "-l", "info", *extra]
         full_env = {**os.environ, **env, "PYTHONPATH": str(ROOT)}
         self.process = subprocess.Popen(
-            command, stdout=self.logfile, stderr=subprocess.STDOUT, env=full_env, cwd=str(ROOT)
+            command_line, stdout=self.logfile, stderr=subprocess.STDOUT, env=full_env, cwd=str(ROOT)
         )
 
     @property

@@ -12,6 +12,7 @@ from typing import Any
 
 import redis
 from celery import Celery
+from celery.signals import task_revoked
 
 from celery_redislock import SingletonTask, Wait, lock_contended
 
@@ -29,6 +30,19 @@ app.conf.update(
     worker_prefetch_multiplier=1,
     result_expires=600,
 )
+
+BEAT_INTERVAL = os.environ.get("REDISLOCK_TEST_BEAT_INTERVAL")
+if BEAT_INTERVAL:
+    options: dict[str, Any] = {}
+    if os.environ.get("REDISLOCK_TEST_BEAT_EXPIRES"):
+        options["expires"] = float(BEAT_INTERVAL)
+    app.conf.beat_schedule = {
+        "overlapping": {
+            "task": "tests.processes.app.periodic",
+            "schedule": float(BEAT_INTERVAL),
+            "options": options,
+        }
+    }
 
 _record: redis.Redis | None = None
 
@@ -70,6 +84,24 @@ def exclusive(self: Any, key: str, n: int) -> int:
     store.decr(f"active:{key}")
     store.rpush(f"intervals:{key}", f"{started}:{ended}:{os.getpid()}")
     return n
+
+
+@app.task(base=SingletonTask, lock_args=())
+def periodic() -> str:
+    """A beat job that runs 3 s whatever its interval."""
+    store = record()
+    store.rpush("periodic:peak", store.incr("periodic:active"))
+    started = time.monotonic_ns()
+    time.sleep(3)
+    store.decr("periodic:active")
+    store.rpush("periodic:intervals", f"{started}:{time.monotonic_ns()}")
+    return "ran"
+
+
+@task_revoked.connect
+def count_expired(sender: Any = None, expired: bool = False, **kwargs: Any) -> None:
+    if expired:
+        record().incr("expired")
 
 
 @lock_contended.connect

@@ -86,6 +86,28 @@ def exclusive(self: Any, key: str, n: int) -> int:
     return n
 
 
+@app.task(
+    base=SingletonTask,
+    bind=True,
+    lock_args=("name",),
+    lock_enqueue=True,
+    retry_on_worker_lost=True,
+    default_retry_delay=2,
+)
+def fragile(self: Any, name: str) -> int:
+    """Enqueue-locked; its first attempt is killed, retry_on_worker_lost re-sends it."""
+    record().hset(
+        f"started:{self.request.id}:{self.request.retries}",
+        mapping={
+            "pid": os.getpid(),
+            "key": self.lock.key,
+        },
+    )
+    if self.request.retries == 0:
+        time.sleep(60)
+    return int(self.request.retries)
+
+
 @app.task(base=SingletonTask, lock_args=())
 def periodic() -> str:
     """A beat job that runs 3 s whatever its interval."""

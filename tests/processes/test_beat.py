@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import tempfile
 from typing import Any
 
@@ -13,7 +14,9 @@ from tests.servers import CeleryWorkerProcess, wait_until
 pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
 
 
-def start_beat(c: Cluster, name: str, interval: float, expires: bool = False) -> CeleryWorkerProcess:
+def start_beat(
+    c: Cluster, name: str, interval: float, expires: bool = False
+) -> CeleryWorkerProcess:
     """A `celery beat` process (the worker wrapper runs any celery command)."""
     env = {"REDISLOCK_TEST_URL": c.server.url, "REDISLOCK_TEST_BEAT_INTERVAL": str(interval)}
     if expires:
@@ -33,13 +36,15 @@ def worker_with_beat_env(c: Cluster, interval: float, **kwargs: Any) -> CeleryWo
 
 
 def intervals(c: Cluster) -> list[tuple[int, int]]:
-    pairs = [tuple(map(int, raw.split(":"))) for raw in c.record.lrange("periodic:intervals", 0, -1)]
+    pairs = [
+        tuple(map(int, raw.split(":"))) for raw in c.record.lrange("periodic:intervals", 0, -1)
+    ]
     return sorted(pairs)  # type: ignore[arg-type]
 
 
 def assert_no_overlap(c: Cluster) -> int:
     runs = intervals(c)
-    assert all(b[0] >= a[1] for a, b in zip(runs, runs[1:], strict=False)), runs
+    assert all(b[0] >= a[1] for a, b in itertools.pairwise(runs)), runs
     assert max(int(p) for p in c.record.lrange("periodic:peak", 0, -1)) == 1
     return len(runs)
 
@@ -74,8 +79,11 @@ def test_expires_equal_to_the_interval_drops_the_backlog(cluster: Cluster) -> No
     beat = start_beat(cluster, "beat", 1.0, expires=True)
     wait_until(lambda: cluster.record.llen("periodic:intervals") >= 2, timeout=40)
     beat.stop()
-    wait_until(lambda: int(cluster.record.get("expired") or 0) >= 2, timeout=30,
-               message="queued runs to expire instead of running late")
+    wait_until(
+        lambda: int(cluster.record.get("expired") or 0) >= 2,
+        timeout=30,
+        message="queued runs to expire instead of running late",
+    )
     wait_until(lambda: cluster.server.client(0).llen("tests") == 0, timeout=30)
     wait_until(lambda: int(cluster.record.get("periodic:active") or 0) == 0, timeout=30)
     runs = assert_no_overlap(cluster)

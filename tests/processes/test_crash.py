@@ -13,6 +13,7 @@ import pytest
 from celery import Celery
 
 from celery_redislock import is_skipped
+from celery_redislock.config import forget_app_settings
 from tests.conftest import LOCK_DB, RECORD_DB, make_app
 from tests.processes import app as worker_app
 from tests.servers import CeleryWorkerProcess, RedisServer, wait_until
@@ -175,3 +176,27 @@ def test_lock_value_records_attempt_and_pid_for_the_parent(cluster: Cluster) -> 
     info = cluster.started(result.id)
     assert info["key"] == worker_app.hold.lock_key_for(("same-key", 0), {})
     result.get(timeout=20)
+
+
+def test_retry_on_worker_lost_keeps_the_enqueue_lock_for_the_resent_task(cluster: Cluster) -> None:
+    cluster.worker(ttl=30)
+    # Publish through the task's own apply_async (the enqueue lock), pointing
+    # the imported example app at this test's server for the duration.
+    app = worker_app.app
+    saved = {k: app.conf[k] for k in ("broker_url", "result_backend", "redislock_url")}
+    app.conf.update({k: cluster.producer.conf[k] for k in saved})
+    forget_app_settings(app)
+    try:
+        fragile = worker_app.fragile
+        result = fragile.delay("lost")
+        info = wait_until(lambda: cluster.record.hgetall(f"started:{result.id}:0"), timeout=20)
+        os.kill(int(info["pid"]), signal.SIGKILL)
+        # Parent: WorkerLostError -> hands the key back to the queued retry
+        # (same task id) instead of freeing it; a duplicate gets that id.
+        wait_until(lambda: cluster.producer.AsyncResult(result.id).state == "RETRY", timeout=20)
+        assert fragile.delay("lost").id == result.id
+        assert result.get(timeout=30) == 1
+        assert cluster.locks.exists(info["key"]) == 0
+    finally:
+        app.conf.update(saved)
+        forget_app_settings(app)

@@ -32,6 +32,7 @@ from celery_redislock.tokens import LockValue
 
 __all__ = [
     "AcquireResult",
+    "fence_key",
     "LockBackend",
     "ReleaseOutcome",
     "RenewOutcome",
@@ -43,22 +44,38 @@ logger = logging.getLogger("celery_redislock.backend")
 T = TypeVar("T")
 
 # KEYS[1] - lock key
+# KEYS[2] - fence counter of this key (same hash slot: KEYS[1] .. ':fence')
 # ARGV[1] - value to store (see tokens.py)
 # ARGV[2] - time to live in milliseconds
 # ARGV[3] - a value this caller may take over ("adopt"), or ''. A worker
 #           adopts the lock its producer took at enqueue time: the queued
 #           value is replaced by the running one in the same step.
-# returns {1} when the lock was taken, when the key already holds ARGV[1]
-#         (a client retry after a lost reply: still ours, TTL refreshed) or
-#         when it held ARGV[3]; {0, holder value, holder PTTL in ms} when
-#         someone else holds it
+# ARGV[4] - time to live of the fence counter in milliseconds
+# returns {1, fence} when the lock was taken (a new fence), when the key
+#         already holds ARGV[1] (a client retry after a lost reply: still
+#         ours, TTL refreshed, same fence) or when it held ARGV[3] (same
+#         fence as the queued holder); {0, holder value, holder PTTL in ms}
+#         when someone else holds it.
+# The fence is max(last fence + 1, server time in microseconds): it keeps
+# increasing after a restart that lost the counter, and the counter key
+# expires, so no key is left behind for ever. Lua numbers are doubles; a
+# microsecond timestamp (~1.8e15) is exact below 2^53.
 ACQUIRE_SCRIPT = """
 local current = redis.call('GET', KEYS[1])
-if not current or current == ARGV[1] or (ARGV[3] ~= '' and current == ARGV[3]) then
-    redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-    return {1}
+local ours = current == ARGV[1] or (ARGV[3] ~= '' and current == ARGV[3])
+if current and not ours then
+    return {0, current, redis.call('PTTL', KEYS[1])}
 end
-return {0, current, redis.call('PTTL', KEYS[1])}
+local fence = redis.call('GET', KEYS[2])
+if not current or not fence then
+    local now = redis.call('TIME')
+    local micros = tonumber(now[1]) * 1000000 + tonumber(now[2])
+    fence = string.format('%.0f', math.max(tonumber(fence or '0') + 1, micros))
+end
+local counter_ttl = math.max(tonumber(ARGV[4]), tonumber(ARGV[2]))
+redis.call('SET', KEYS[2], fence, 'PX', counter_ttl)
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return {1, fence}
 """
 
 # KEYS[1] - lock key
@@ -141,6 +158,11 @@ _RENEW = _Script(RENEW_SCRIPT)
 RENEW_CHUNK_SIZE = 500
 
 
+def fence_key(key: str) -> str:
+    """Return the key of ``key``'s fence counter (same Redis Cluster slot)."""
+    return f"{key}:fence"
+
+
 def release_channel(key: str) -> str:
     """Return the pub/sub channel a release of ``key`` is announced on."""
     return f"{key}:released"
@@ -172,12 +194,14 @@ class AcquireResult:
         ttl_remaining: Seconds left on the holder's lock when contended
             (``None`` when the key has no expiry).
         sent_at: :func:`clock` reading just before the acquire was sent.
+        fence: The acquisition's fencing token when acquired (see fencing.py).
     """
 
     acquired: bool
     holder: str | None = None
     ttl_remaining: float | None = None
     sent_at: float = 0.0
+    fence: int | None = None
 
     @property
     def holder_task_id(self) -> str | None:
@@ -219,6 +243,9 @@ class LockBackend:
         client: Use this client instead of building one from ``url`` (for
             the standalone lock); the renewer then builds its connection from
             the client's connection pool settings.
+        fence_ttl: Seconds a key's fence counter outlives its last
+            acquisition (at least the lock's TTL). After that the next fence
+            falls back to the server clock in microseconds, still larger.
     """
 
     def __init__(
@@ -227,12 +254,14 @@ class LockBackend:
         options: Mapping[str, Any] | None = None,
         renew_timeout: float = 0.5,
         client: redis.Redis | None = None,
+        fence_ttl: float = 3600.0,
     ) -> None:
         if client is None and url is None:
             raise ValueError("LockBackend needs a url or a client")
         self.url = url
         self.options = {**_DEFAULT_OPTIONS, **(options or {})}
         self.renew_timeout = renew_timeout
+        self.fence_ttl_ms = int(fence_ttl * 1000)
         self._client = client
         self._client_pid = os.getpid() if client is not None else None
         self._renew_client: redis.Redis | None = None
@@ -351,9 +380,11 @@ class LockBackend:
         """
         sent_at = clock()
         with self._errors("acquire", key):
-            reply = _ACQUIRE(self.client, (key,), (value, ttl_ms, adopt))
+            reply = _ACQUIRE(
+                self.client, (key, fence_key(key)), (value, ttl_ms, adopt, self.fence_ttl_ms)
+            )
         if int(reply[0]) == 1:
-            return AcquireResult(True, sent_at=sent_at)
+            return AcquireResult(True, sent_at=sent_at, fence=int(reply[1]))
         pttl = int(reply[2])
         return AcquireResult(
             False, _text(reply[1]), pttl / 1000.0 if pttl >= 0 else None, sent_at=sent_at

@@ -51,6 +51,8 @@ DEFAULTS: Mapping[str, Any] = {
     "redislock_enqueue_raise": False,
     "redislock_hold_after_success": 0.0,
     "redislock_beat_on_contention": "skip",
+    "redislock_fence_ttl": 3600.0,
+    "redislock_on_lost": "report",
 }
 
 BACKEND_ERROR_MODES = ("fail", "run")
@@ -156,7 +158,12 @@ def _read(app: Celery) -> AppSettings:
         beat_on_contention=resolve_policy(
             _get(app, "redislock_beat_on_contention"), "redislock_beat_on_contention"
         ),
-        backend=LockBackend(url, dict(options), renew_timeout=renew_timeout),
+        backend=LockBackend(
+            url,
+            dict(options),
+            renew_timeout=renew_timeout,
+            fence_ttl=validate_ttl(_get(app, "redislock_fence_ttl"), "redislock_fence_ttl"),
+        ),
     )
 
 

@@ -55,6 +55,8 @@ class LockHandle:
         ttl: Time to live in seconds; renewed every ``ttl / 3``.
         task_name: Name of the task (or the lock name outside Celery).
         task_id: Task id, or ``None`` outside a task.
+        fence: Fencing token of this acquisition: strictly larger than every
+            earlier acquisition's of the same key (see ``fencing.py``).
         lost_reason: Why the lock was lost (``"gone"``, ``"stolen"``,
             ``"expired_locally"``), or ``None`` while it is held.
     """
@@ -71,8 +73,10 @@ class LockHandle:
         task_id: str | None,
         sender: Any,
         renew: bool = True,
+        fence: int | None = None,
     ) -> None:
         self.backend = backend
+        self.fence = fence
         self.key = key
         self.value = value
         self.ttl = ttl
@@ -326,6 +330,11 @@ class RedisLock:
         """True when the renewer found the lock gone or taken over while held."""
         return self.handle is not None and self.handle.lost
 
+    @property
+    def fence(self) -> int | None:
+        """Fencing token of the current acquisition (``None`` when not held)."""
+        return None if self.handle is None else self.handle.fence
+
     def acquire(self, blocking: bool | None = None, timeout: float | None = None) -> bool:
         """Take the lock.
 
@@ -366,6 +375,7 @@ class RedisLock:
             task_id=None,
             sender=self,
             renew=self.renew,
+            fence=result.fence,
         )
         signals.lock_acquired.send(
             sender=self,
@@ -373,7 +383,7 @@ class RedisLock:
             task_name=self.name,
             task_id=None,
             waited=clock() - started,
-            fence=None,
+            fence=result.fence,
         )
         return True
 

@@ -441,6 +441,7 @@ class SingletonTaskMixin(_TaskBase):
             task_name=self.name,
             task_id=self.request.id,
             sender=self,
+            fence=result.fence,
         )
         signals.lock_acquired.send(
             sender=self,
@@ -448,7 +449,7 @@ class SingletonTaskMixin(_TaskBase):
             task_name=self.name,
             task_id=self.request.id,
             waited=clock() - started,
-            fence=None,
+            fence=result.fence,
         )
         return handle
 

@@ -11,7 +11,7 @@ from celery.exceptions import Ignore, Reject
 
 from celery_redislock import SingletonTask
 from tests.conftest import embedded_worker
-from tests.helpers import decoded
+from tests.helpers import decoded, held_locks
 from tests.servers import wait_until
 
 pytestmark = pytest.mark.worker
@@ -157,7 +157,7 @@ def test_task_always_eager_locks(
     with pytest.raises(RuntimeError):
         eager.delay()
     assert record.get("locked") == "1"
-    assert lock_client.dbsize() == 0
+    assert held_locks(lock_client) == []
 
 
 def test_direct_call_is_a_plain_call_without_a_lock(app: Celery, lock_client: redis.Redis) -> None:
@@ -166,7 +166,7 @@ def test_direct_call_is_a_plain_call_without_a_lock(app: Celery, lock_client: re
         return self.lock, n
 
     assert direct(3) == (None, 3)
-    assert lock_client.dbsize() == 0
+    assert held_locks(lock_client) == []
 
 
 def test_lock_enabled_false_runs_without_lock(app: Celery, lock_client: redis.Redis) -> None:
@@ -175,4 +175,4 @@ def test_lock_enabled_false_runs_without_lock(app: Celery, lock_client: redis.Re
         return self.lock is None
 
     assert off.apply().get() is True
-    assert lock_client.dbsize() == 0
+    assert held_locks(lock_client) == []

@@ -32,10 +32,10 @@ from celery_redislock.tokens import LockValue
 
 __all__ = [
     "AcquireResult",
-    "fence_key",
     "LockBackend",
     "ReleaseOutcome",
     "RenewOutcome",
+    "fence_key",
     "release_channel",
 ]
 

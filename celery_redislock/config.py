@@ -31,6 +31,7 @@ __all__ = [
     "app_settings",
     "validate_backend_error_mode",
     "validate_hold",
+    "validate_lost_mode",
 ]
 
 logger = logging.getLogger("celery_redislock.config")
@@ -65,6 +66,16 @@ def validate_backend_error_mode(value: Any, where: str) -> str:
     return str(value)
 
 
+LOST_MODES = ("report", "abort")
+
+
+def validate_lost_mode(value: Any, where: str) -> str:
+    """Return ``value`` if it is ``"report"`` or ``"abort"``, else raise."""
+    if value not in LOST_MODES:
+        raise ConfigurationError(f"{where} must be 'report' or 'abort', got {value!r}")
+    return str(value)
+
+
 def validate_hold(value: Any, where: str) -> float:
     """Return ``value`` as seconds >= 0 (0 turns the window off), else raise."""
     if value == 0:
@@ -90,6 +101,7 @@ class AppSettings:
     enqueue_raise: bool
     hold_after_success: float
     beat_on_contention: ContentionPolicy
+    on_lost: str
     backend: LockBackend = field(compare=False, repr=False)
 
 
@@ -158,6 +170,7 @@ def _read(app: Celery) -> AppSettings:
         beat_on_contention=resolve_policy(
             _get(app, "redislock_beat_on_contention"), "redislock_beat_on_contention"
         ),
+        on_lost=validate_lost_mode(_get(app, "redislock_on_lost"), "redislock_on_lost"),
         backend=LockBackend(
             url,
             dict(options),
@@ -207,6 +220,7 @@ class TaskSettings:
     enqueue_ttl: float
     enqueue_raise: bool
     hold_after_success: float
+    on_lost: str
 
     @classmethod
     def merge(cls, task: Any, app: AppSettings) -> TaskSettings:
@@ -230,4 +244,5 @@ class TaskSettings:
             enqueue_ttl=float(pick("lock_enqueue_ttl", app.enqueue_ttl)),
             enqueue_raise=bool(pick("lock_enqueue_raise", app.enqueue_raise)),
             hold_after_success=float(pick("lock_hold_after_success", app.hold_after_success)),
+            on_lost=str(pick("lock_on_lost", app.on_lost)),
         )

@@ -83,7 +83,7 @@ class AlreadyQueued(LockContended):
 class LockNotOwned(RedisLockError):
     """An operation needed the lock but this holder no longer owns it."""
 
-    def __init__(self, key: str, detail: str = "") -> None:
+    def __init__(self, key: str = "", detail: str = "") -> None:
         self.key = key
         self.detail = detail
         super().__init__(key, detail)
@@ -97,4 +97,7 @@ class LockNotOwned(RedisLockError):
 
 
 class LockLost(LockNotOwned):
-    """The renewer found the lock gone or taken over while it was held."""
+    """The lock was found gone or taken over while it was held.
+
+    Raised inside a running task when ``lock_on_lost="abort"``.
+    """

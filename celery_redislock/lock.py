@@ -14,6 +14,7 @@ from celery_redislock import signals
 from celery_redislock._clock import clock
 from celery_redislock.backend import AcquireResult, LockBackend, ReleaseOutcome, RenewOutcome
 from celery_redislock.exceptions import ConfigurationError, LockContended, LockNotOwned
+from celery_redislock.interrupt import cancel_pending_abort
 from celery_redislock.renewal import renewer
 from celery_redislock.tokens import LockOwner, LockValue
 
@@ -90,6 +91,8 @@ class LockHandle:
         self.valid_until = self._validity_from(granted_at)
         self.lost_reason: str | None = None
         self.released = False
+        #: Thread an asynchronous abort was sent to (lock_on_lost="abort").
+        self.abort_sent_to: int | None = None
         self.renewals = 0
         self._pid = os.getpid()
         self._renewing = False
@@ -226,6 +229,8 @@ class LockHandle:
         self.released = True
         if self._renewing:
             renewer().unregister(self)
+        if self.abort_sent_to is not None or self._on_lost:
+            cancel_pending_abort(self)
         try:
             if keep is None:
                 outcome = self.backend.release(self.key, self.value)

@@ -51,8 +51,10 @@ from celery_redislock.config import (
     app_settings,
     validate_backend_error_mode,
     validate_hold,
+    validate_lost_mode,
 )
 from celery_redislock.exceptions import AlreadyQueued, ConfigurationError, LockBackendError
+from celery_redislock.interrupt import interrupter_for_current_thread
 from celery_redislock.keys import bind_lock_arguments, custom_key, task_key, validate_lock_args
 from celery_redislock.lock import LockHandle, validate_ttl
 from celery_redislock.policies import (
@@ -154,6 +156,9 @@ class SingletonTaskMixin(_TaskBase):
             successful run, so a late duplicate is still deduplicated.
         lock_beat_on_contention: Policy for runs sent by celery beat
             (default ``"skip"``).
+        lock_on_lost: ``"report"`` (default: flag, signal, ERROR log) or
+            ``"abort"`` (also raise :class:`LockLost` inside the running body
+            where the pool allows it; see ``interrupt.py``).
     """
 
     lock_args: Sequence[str] | None = None
@@ -167,6 +172,7 @@ class SingletonTaskMixin(_TaskBase):
     lock_enqueue_raise: bool | None = None
     lock_hold_after_success: float | None = None
     lock_beat_on_contention: str | ContentionPolicy | None = None
+    lock_on_lost: str | None = None
 
     #: The worker's request class; it adds the parent-side release.
     Request = "celery_redislock.task:SingletonRequest"
@@ -188,6 +194,8 @@ class SingletonTaskMixin(_TaskBase):
             resolve_policy(cls.lock_on_contention, f"{where}: lock_on_contention")
         if cls.lock_beat_on_contention is not None:
             resolve_policy(cls.lock_beat_on_contention, f"{where}: lock_beat_on_contention")
+        if cls.lock_on_lost is not None:
+            validate_lost_mode(cls.lock_on_lost, f"{where}: lock_on_lost")
         if cls.lock_enqueue_ttl is not None:
             validate_ttl(cls.lock_enqueue_ttl, f"{where}: lock_enqueue_ttl")
         if cls.lock_hold_after_success is not None:
@@ -443,6 +451,11 @@ class SingletonTaskMixin(_TaskBase):
             sender=self,
             fence=result.fence,
         )
+        handle.on_lost(self.on_lock_lost)
+        if settings.on_lost == "abort":
+            interrupt = interrupter_for_current_thread()
+            if interrupt is not None:
+                handle.on_lost(interrupt)
         signals.lock_acquired.send(
             sender=self,
             key=key,
@@ -507,6 +520,14 @@ class SingletonTaskMixin(_TaskBase):
         except Exception as publish_error:
             raise Reject(publish_error, requeue=False) from publish_error
         raise CeleryRetry(exc=exc, when=cast(Any, countdown), sig=signature)
+
+    def on_lock_lost(self, handle: LockHandle) -> None:
+        """Called from the renewer thread when this execution's lock is lost.
+
+        Override it to react (it must not block). The default does nothing:
+        the loss is already logged, signalled and visible as
+        ``self.lock.lost``.
+        """
 
     # -- parent-side backstop ------------------------------------------------------------
 

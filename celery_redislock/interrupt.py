@@ -1,0 +1,91 @@
+"""Stopping a running execution whose lock was lost (``lock_on_lost="abort"``).
+
+The renewer thread detects the loss; the execution runs in another thread.
+How it is stopped depends on where it runs:
+
+* the process's main thread (prefork pool children, the solo pool): a
+  signal is sent to that thread, whose handler raises :class:`LockLost`; a
+  signal also interrupts a blocking ``time.sleep`` or socket read;
+* another native thread (the threads pool): ``PyThreadState_SetAsyncExc``
+  raises :class:`LockLost` at the thread's next Python instruction. It is not
+  delivered while the thread is blocked inside one C call;
+* gevent or eventlet greenlets: not supported; the loss is reported only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from types import FrameType
+from typing import TYPE_CHECKING
+
+from celery_redislock.exceptions import LockLost
+
+if TYPE_CHECKING:
+    from celery_redislock.lock import LockHandle
+
+__all__ = ["ABORT_SIGNAL", "interrupter_for_current_thread"]
+
+logger = logging.getLogger("celery_redislock.interrupt")
+
+#: A real-time signal nothing in Celery or billiard uses (SIGUSR1 is the soft
+#: time limit, SIGUSR2 the debugger hook).
+ABORT_SIGNAL = signal.SIGRTMIN + 5 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR2
+
+_pending: dict[int, LockHandle] = {}
+_installed = False
+
+
+def _raise_if_lost(signum: int, frame: FrameType | None) -> None:
+    handle = _pending.pop(threading.get_ident(), None)
+    if handle is not None and not handle.released:
+        raise LockLost(handle.key, f"{handle.lost_reason}; execution aborted")
+
+
+def _green() -> bool:
+    try:
+        from gevent import monkey  # type: ignore[import-untyped,unused-ignore]
+    except ImportError:
+        return False
+    return bool(monkey.is_module_patched("threading"))
+
+
+def interrupter_for_current_thread() -> Callable[[LockHandle], None] | None:
+    """Return a callback that aborts the calling thread, or None where impossible."""
+    global _installed
+    if _green():
+        logger.warning("lock_on_lost='abort' is not supported under gevent; reporting only")
+        return None
+    ident = threading.get_ident()
+    if threading.current_thread() is threading.main_thread():
+        if not _installed:
+            signal.signal(ABORT_SIGNAL, _raise_if_lost)
+            _installed = True
+
+        def by_signal(handle: LockHandle) -> None:
+            if not handle.released:
+                _pending[ident] = handle
+                signal.pthread_kill(ident, ABORT_SIGNAL)
+
+        return by_signal
+
+    def by_async_exception(handle: LockHandle) -> None:
+        if not handle.released:
+            handle.abort_sent_to = ident
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                ctypes.c_ulong(ident), ctypes.py_object(LockLost)
+            )
+
+    return by_async_exception
+
+
+def cancel_pending_abort(handle: LockHandle) -> None:
+    """Withdraw an abort not yet delivered (the execution ended first)."""
+    if _pending.get(threading.get_ident()) is handle:
+        _pending.pop(threading.get_ident(), None)
+    ident = getattr(handle, "abort_sent_to", None)
+    if ident is not None and ident == threading.get_ident():
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), None)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import redis
 
@@ -18,7 +20,7 @@ def test_fences_strictly_increase_per_key(lock_client: redis.Redis) -> None:
         with RedisLock(lock_client, "fenced", ttl=5) as lock:
             fences.append(lock.fence)
     assert all(isinstance(f, int) for f in fences)
-    assert all(b > a for a, b in zip(fences, fences[1:], strict=False))
+    assert all(b > a for a, b in itertools.pairwise(fences))
 
 
 def test_retry_of_the_same_acquire_and_adoption_keep_the_fence(server: RedisServer) -> None:

@@ -9,6 +9,7 @@ trip per script per flush and never an error.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import hashlib
 import logging
@@ -23,7 +24,7 @@ from typing import Any, TypeVar
 
 import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
-from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.exceptions import ConnectionError, NoScriptError, RedisError, ResponseError, TimeoutError
 from redis.retry import Retry
 
 from celery_redislock._clock import clock
@@ -310,8 +311,13 @@ class LockBackend:
                 self._client_pid = os.getpid()
             return self._client
 
+    def warm_up(self) -> None:
+        """Open the renewal connection now, so the first renewal is a single round trip."""
+        with contextlib.suppress(RedisError):
+            self.renewal_client().ping()
+
     def renewal_client(self) -> redis.Redis:
-        """The renewer's own client: short timeout, no redis-py retries."""
+        """The renewer's (and releases') client: short timeout, no redis-py retries."""
         if self._renew_client is not None and self._renew_client_pid == os.getpid():
             return self._renew_client
         with self._guard:
@@ -457,11 +463,24 @@ class LockBackend:
         return self._release(key, owner_prefix, "prefix", keep, keep_ms)
 
     def _release(self, key: str, match: str, mode: str, keep: str, keep_ms: int) -> ReleaseOutcome:
+        # Releases go over the renewer's connection (short timeout, no
+        # redis-py retries), so a frozen Redis delays a finishing task by at
+        # most two short attempts; the TTL frees the key if both fail. A
+        # second attempt also replaces a pooled connection that died with a
+        # Redis restart. Releasing twice is harmless: if the first attempt's
+        # reply was lost, "already gone" means it worked.
+        args = (match, mode, release_channel(key), keep, max(keep_ms, 1))
+        retried = False
         with self._errors("release", key):
-            reply = _RELEASE(
-                self.client, (key,), (match, mode, release_channel(key), keep, max(keep_ms, 1))
-            )
-        return ReleaseOutcome(int(reply))
+            try:
+                reply = _RELEASE(self.renewal_client(), (key,), args)
+            except (ConnectionError, TimeoutError):
+                retried = True
+                reply = _RELEASE(self.renewal_client(), (key,), args)
+        outcome = ReleaseOutcome(int(reply))
+        if retried and outcome is ReleaseOutcome.ALREADY_GONE:
+            return ReleaseOutcome.RELEASED
+        return outcome
 
     def extend(self, key: str, value: str, ttl_ms: int) -> RenewOutcome:
         """Reset the lock's TTL to ``ttl_ms`` if it still holds ``value``."""

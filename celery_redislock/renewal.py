@@ -64,6 +64,8 @@ class Renewer:
         self._pid = os.getpid()
         self._running = False
         self._next_due: float | None = None
+        # Backends whose renewal connection this process has opened.
+        self._warm: set[int] = set()
         #: Clock reading of the last loop iteration (a liveness heartbeat).
         self.heartbeat: float | None = None
         #: Number of renewal round trips made (for tests and benchmarks).
@@ -88,7 +90,11 @@ class Renewer:
             self._reset()
         with self._mutex:
             self._handles[id(handle)] = handle
-            wake = self._next_due is None or handle.renew_at < self._next_due
+            wake = (
+                self._next_due is None
+                or handle.renew_at < self._next_due
+                or id(handle.backend) not in self._warm
+            )
             self._ensure_running()
         if wake:
             self._notify()
@@ -139,6 +145,12 @@ class Renewer:
         self.heartbeat = now
         with self._mutex:
             handles = list(self._handles.values())
+        for backend in {h.backend for h in handles if id(h.backend) not in self._warm}:
+            # Connect before the first renewal is due (a cold connection
+            # costs several round trips), off the task's thread.
+            self._warm.add(id(backend))
+            backend.warm_up()
+            now = clock()
         due = [h for h in handles if h.renew_at - h.renew_period / 2 <= now]
         if due:
             try:

@@ -73,8 +73,10 @@ def test_redis_paused_longer_than_the_ttl(
         release_took = time.monotonic() - started
     finally:
         store_server.resume()
-    print(f"\n[measured] redis SIGSTOP: loss reported after {detected:.2f}s (TTL 1.0s), "
-          f"release gave up after {release_took:.2f}s")
+    print(
+        f"\n[measured] redis SIGSTOP: loss reported after {detected:.2f}s (TTL 1.0s), "
+        f"release gave up after {release_took:.2f}s"
+    )
     assert detected < 1.0 + 1.0  # within the TTL plus one renewal timeout and a tick
     assert len(losses) == 1
 
@@ -108,7 +110,9 @@ def test_task_finishes_within_its_bound_while_redis_is_frozen(
     print(f"\n[measured] task finished {took:.2f}s after Redis froze (release bounded)")
 
 
-def test_latency_below_ttl_over_6_loses_nothing(redis_server_factory: Any, losses: list[Any]) -> None:
+def test_latency_below_ttl_over_6_loses_nothing(
+    redis_server_factory: Any, losses: list[Any]
+) -> None:
     store_server: RedisServer = redis_server_factory()
     proxy = FaultProxy(store_server.port)
     try:

@@ -14,7 +14,8 @@ import redis
 from celery import Celery
 from celery.signals import task_revoked
 
-from celery_redislock import SingletonTask, Wait, lock_contended
+from celery_redislock import Retry, SingletonTask, Wait, lock_contended, lock_lost
+from celery_redislock.fencing import FencedStore
 
 BASE_URL = os.environ.get("REDISLOCK_TEST_URL", "redis://127.0.0.1:1")
 TTL = float(os.environ.get("REDISLOCK_TEST_TTL", "30"))
@@ -124,6 +125,79 @@ def periodic() -> str:
 def count_expired(sender: Any = None, expired: bool = False, **kwargs: Any) -> None:
     if expired:
         record().incr("expired")
+
+
+@app.task(
+    base=SingletonTask,
+    bind=True,
+    lock_args=("name",),
+    acks_late=True,
+    lock_on_contention=Retry(jitter=0.2, max_retries=200),
+)
+def fenced_write(self: Any, name: str, seconds: float, tag: str) -> bool:
+    """Hold the lock ``seconds``, then write ``tag`` to a fenced resource."""
+    store = record()
+    fence = self.lock.fence
+    store.hset(
+        f"started:{self.request.id}",
+        mapping={
+            "pid": os.getpid(),
+            "key": self.lock.key,
+            "fence": fence,
+            "at": time.time(),
+        },
+    )
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+    accepted = FencedStore(store).write(f"resource:{name}", tag, fence)
+    store.rpush(f"writes:{name}", f"{tag}:{fence}:{int(accepted)}:{int(self.lock.lost)}")
+    return accepted
+
+
+# KEYS[1] - last accepted fence, KEYS[2] - history of accepted fences,
+# KEYS[3] - count of refused writes; ARGV[1] - the writer's fence
+# returns 1 if accepted (fence > last), else 0
+_FENCED_APPEND = """
+local last = tonumber(redis.call('GET', KEYS[1]) or '0')
+if tonumber(ARGV[1]) <= last then
+    redis.call('INCR', KEYS[3])
+    return 0
+end
+redis.call('SET', KEYS[1], ARGV[1])
+redis.call('RPUSH', KEYS[2], ARGV[1])
+return 1
+"""
+
+
+@app.task(
+    base=SingletonTask,
+    bind=True,
+    lock_args=("key",),
+    lock_ttl=2,
+    acks_late=True,
+    reject_on_worker_lost=True,
+    lock_on_contention=Wait(timeout=120),
+)
+def soak(self: Any, key: str, n: int) -> int:
+    """One fenced write per execution; the resource refuses stale fences."""
+    store = record()
+    time.sleep(0.001)
+    store.eval(
+        _FENCED_APPEND,
+        3,
+        f"soak:last:{key}",
+        f"soak:history:{key}",
+        f"soak:refused:{key}",
+        self.lock.fence,
+    )
+    store.incr("soak:done")
+    return n
+
+
+@lock_lost.connect
+def count_loss(sender: Any = None, **kwargs: Any) -> None:
+    record().incr(f"lost:{kwargs['reason']}")
 
 
 @lock_contended.connect

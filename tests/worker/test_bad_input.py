@@ -1,0 +1,153 @@
+"""Bad input and misconfiguration: a clear error naming the problem; nothing lost."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_redislock import ConfigurationError, LockBackendError, LockKeyError, SingletonTask
+from tests.conftest import BROKER_DB, embedded_worker
+from tests.servers import RedisServer
+
+pytestmark = pytest.mark.worker
+
+
+class Opaque:
+    """An object with only a default repr (a memory address)."""
+
+
+def test_unkeyable_argument_fails_the_task_visibly(app_factory: Any, record: redis.Redis) -> None:
+    app = app_factory(accept_content=["json", "pickle"])
+
+    @app.task(base=SingletonTask, shared=False)
+    def job(thing: Any) -> None:
+        record.incr("runs")
+
+    # pickle lets the object reach the worker; the key cannot be built there.
+    with embedded_worker(app, "threads", 2):
+        result = job.apply_async((Opaque(),), serializer="pickle")
+        with pytest.raises(LockKeyError, match=r"argument 'thing' of type .*Opaque"):
+            result.get(timeout=20)
+    assert result.state == "FAILURE" and record.get("runs") is None
+
+
+def test_unkeyable_argument_at_enqueue_raises_and_publishes_nothing(
+    app: Celery, server: RedisServer
+) -> None:
+    @app.task(base=SingletonTask, shared=False, lock_enqueue=True)
+    def job(thing: Any) -> None: ...
+
+    with pytest.raises(LockKeyError, match="no stable encoding"):
+        job.apply_async((Opaque(),), serializer="pickle")
+    assert server.client(BROKER_DB).llen("tests") == 0
+
+
+def test_huge_arguments_run_with_a_fixed_size_key(app: Celery, lock_client: redis.Redis) -> None:
+    @app.task(base=SingletonTask, bind=True, shared=False)
+    def job(self: Any, blob: str) -> int:
+        return len(self.lock.key)
+
+    small = job.apply(("x",)).get()
+    assert job.apply(("x" * 2_000_000,)).get() == small
+
+
+def test_arguments_that_do_not_fit_run_fail_with_the_reason(app: Celery) -> None:
+    @app.task(base=SingletonTask, shared=False, typing=False)
+    def job(a: int) -> None: ...
+
+    result = job.apply((1, 2, 3))
+    assert result.state == "FAILURE"
+    assert isinstance(result.result, LockKeyError)
+    assert "arguments do not match run()" in str(result.result)
+
+
+@pytest.mark.parametrize(
+    ("conf", "message"),
+    [
+        ({"redislock_ttl": 0}, "redislock_ttl must be a positive"),
+        ({"redislock_on_contention": "sometimes"}, "redislock_on_contention must be one of"),
+        ({"redislock_url": "not a url"}, "redislock_url must be a redis:// URL"),
+    ],
+    ids=["zero-ttl", "unknown-policy", "malformed-url"],
+)
+def test_misconfigured_app_raises_at_the_call_and_publishes_nothing(
+    app_factory: Any, server: RedisServer, conf: dict[str, Any], message: str
+) -> None:
+    app = app_factory(**conf)
+
+    @app.task(base=SingletonTask, shared=False)
+    def job() -> None: ...
+
+    with pytest.raises(ConfigurationError, match=message):
+        job.delay()
+    assert server.client(BROKER_DB).llen("tests") == 0
+
+
+def test_unreachable_lock_store_fails_the_task_visibly(
+    app_factory: Any, record: redis.Redis
+) -> None:
+    app = app_factory(
+        redislock_url="redis://127.0.0.1:1/0",
+        redislock_backend_error_max_retries=0,
+        redislock_redis_options={"socket_connect_timeout": 0.3, "socket_timeout": 0.3},
+    )
+
+    @app.task(base=SingletonTask, shared=False)
+    def job() -> None:
+        record.incr("runs")
+
+    with embedded_worker(app, "threads", 2):
+        result = job.delay()
+        with pytest.raises(
+            LockBackendError, match=r"Redis at redis://127.0.0.1:1/0 is unavailable"
+        ):
+            result.get(timeout=20)
+    assert result.state == "FAILURE" and record.get("runs") is None
+
+
+def test_wrong_password_fails_visibly(
+    app_factory: Any, redis_server_factory: Any, record: redis.Redis
+) -> None:
+    secured: RedisServer = redis_server_factory("--requirepass", "right")
+    app = app_factory(
+        redislock_url=f"redis://:wrong@127.0.0.1:{secured.port}/0",
+        redislock_backend_error_max_retries=0,
+    )
+
+    @app.task(base=SingletonTask, shared=False)
+    def job() -> None:
+        record.incr("runs")
+
+    with embedded_worker(app, "threads", 2):
+        result = job.delay()
+        with pytest.raises(LockBackendError) as info:
+            result.get(timeout=20)
+    assert "wrong" not in str(info.value) and record.get("runs") is None
+
+
+def test_store_refusing_scripts_fails_visibly(app_factory: Any, redis_server_factory: Any) -> None:
+    locked_down: RedisServer = redis_server_factory()
+    locked_down.client().acl_setuser(
+        "app",
+        enabled=True,
+        passwords=["+pw"],
+        keys=["*"],
+        channels=["*"],
+        commands=["+@all", "-eval", "-evalsha"],
+    )
+    app = app_factory(
+        redislock_url=f"redis://app:pw@127.0.0.1:{locked_down.port}/0",
+        redislock_backend_error_max_retries=0,
+    )
+
+    @app.task(base=SingletonTask, shared=False)
+    def job() -> None: ...
+
+    with (
+        embedded_worker(app, "threads", 2),
+        pytest.raises(LockBackendError, match="must allow EVAL"),
+    ):
+        job.delay().get(timeout=20)

@@ -75,6 +75,7 @@ def test_stopped_holder_loses_its_lock_and_its_fenced_write_is_refused(cluster: 
     assert losses == 1
 
 
+@pytest.mark.soak
 def test_soak_random_child_kills_never_reorder_fenced_writes(cluster: Cluster) -> None:  # noqa: F811
     total = int(os.environ.get("REDISLOCK_SOAK_EXECUTIONS", "1000"))
     keys = 8

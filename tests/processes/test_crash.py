@@ -18,7 +18,7 @@ from tests.conftest import LOCK_DB, RECORD_DB, make_app
 from tests.processes import app as worker_app
 from tests.servers import CeleryWorkerProcess, RedisServer, wait_until
 
-pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
+pytestmark = [pytest.mark.subprocess, pytest.mark.slow, pytest.mark.fault]
 
 APP = "tests.processes.app"
 

@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: test lint demo clean
+.PHONY: test lint demo bench clean
 
 $(BIN)/.installed-test: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,16 @@ lint: $(BIN)/.installed-dev
 ## Start Redis (unless REDIS_URL is set), 2 workers, fire duplicates, print a summary.
 demo: $(BIN)/.installed-test
 	$(BIN)/python -m examples.demo
+
+$(BIN)/.installed-bench: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[test,bench]'
+	touch $@ $(BIN)/.installed-test
+
+## Run every benchmark scenario against the peers; results in bench/results/.
+bench: $(BIN)/.installed-bench
+	$(BIN)/python -m bench.run
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

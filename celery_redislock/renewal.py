@@ -63,9 +63,16 @@ class Renewer:
         self._handles: dict[int, LockHandle] = {}
         self._pid = os.getpid()
         self._running = False
-        self._next_due: float | None = None
-        # Backends whose renewal connection this process has opened.
+        # When the thread will wake next (clock time), and how long it sleeps
+        # when nothing is held: half the shortest renewal period seen, so a
+        # lock registered later is never due before the next wake-up and a
+        # stream of short tasks never has to wake the thread.
+        self._wake_at = float("-inf")
+        self._idle_sleep = _IDLE_WAKE
+        # Backends whose renewal connection this process has opened (or
+        # queued for the thread to open).
         self._warm: set[int] = set()
+        self._to_warm: list[LockBackend] = []
         #: Clock reading of the last loop iteration (a liveness heartbeat).
         self.heartbeat: float | None = None
         #: Number of renewal round trips made (for tests and benchmarks).
@@ -90,11 +97,12 @@ class Renewer:
             self._reset()
         with self._mutex:
             self._handles[id(handle)] = handle
-            wake = (
-                self._next_due is None
-                or handle.renew_at < self._next_due
-                or id(handle.backend) not in self._warm
-            )
+            self._idle_sleep = min(self._idle_sleep, handle.renew_period / 2)
+            cold = id(handle.backend) not in self._warm
+            if cold:
+                self._warm.add(id(handle.backend))
+                self._to_warm.append(handle.backend)
+            wake = cold or handle.renew_at < self._wake_at
             self._ensure_running()
         if wake:
             self._notify()
@@ -145,10 +153,10 @@ class Renewer:
         self.heartbeat = now
         with self._mutex:
             handles = list(self._handles.values())
-        for backend in {h.backend for h in handles if id(h.backend) not in self._warm}:
+            to_warm, self._to_warm = self._to_warm, []
+        for backend in to_warm:
             # Connect before the first renewal is due (a cold connection
             # costs several round trips), off the task's thread.
-            self._warm.add(id(backend))
             backend.warm_up()
             now = clock()
         due = [h for h in handles if h.renew_at - h.renew_period / 2 <= now]
@@ -162,10 +170,9 @@ class Renewer:
             now = clock()
         with self._mutex:
             pending = [h.renew_at for h in self._handles.values()]
-            self._next_due = min(pending) if pending else None
-        if self._next_due is None:
-            return _IDLE_WAKE
-        return min(self._next_due - now, _IDLE_WAKE)
+            sleep = self._idle_sleep if not pending else min(min(pending) - now, _IDLE_WAKE)
+            self._wake_at = now + sleep
+        return sleep
 
     def _renew(self, due: list[LockHandle]) -> None:
         groups: dict[LockBackend, list[LockHandle]] = defaultdict(list)

@@ -1,0 +1,67 @@
+"""30-second tasks for the crash-recovery scenario, per contender and TTL variant."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import redis
+from celery import Celery
+
+from celery_redislock import SingletonTask
+
+BROKER = os.environ.get("BENCH_BROKER_URL", "redis://127.0.0.1:6379").rstrip("/")
+LOCKS = os.environ.get("BENCH_LOCK_URL", "redis://127.0.0.1:6379").rstrip("/")
+
+app = Celery("bench_crash")
+app.conf.update(
+    broker_url=f"{BROKER}/0",
+    task_ignore_result=True,
+    worker_prefetch_multiplier=1,
+    broker_connection_retry_on_startup=True,
+    redislock_url=f"{LOCKS}/0",
+    singleton_backend_url=f"{LOCKS}/0",
+    ONCE={"backend": "celery_once.backends.Redis", "settings": {"url": f"{LOCKS}/0", "default_timeout": 3600}},
+)
+
+#: How each contender's lock lifetime reads in the report.
+TTL_NOTE: dict[tuple[str, str], str] = {
+    ("redislock", "default"): "default TTL 30 s, renewed",
+    ("redislock", "ttl60"): "TTL 60 s, renewed",
+    ("celery_singleton", "default"): "default: no expiry",
+    ("celery_singleton", "ttl60"): "lock_expiry 60 s",
+    ("celery_once", "default"): "default timeout 3600 s",
+    ("celery_once", "ttl60"): "timeout 60 s",
+}
+
+
+def _body() -> None:
+    redis.Redis.from_url(f"{BROKER}/3").set("pid", os.getpid())
+    time.sleep(30)
+
+
+def _define(name: str, **options: Any) -> None:
+    @app.task(name=name, **options)
+    def crash(key: str) -> None:
+        _body()
+
+
+_define("crash.redislock.default", base=SingletonTask, lock_args=("key",))
+_define("crash.redislock.ttl60", base=SingletonTask, lock_args=("key",), lock_ttl=60)
+
+try:
+    from celery_singleton import Singleton
+except ImportError:
+    pass
+else:
+    _define("crash.celery_singleton.default", base=Singleton)
+    _define("crash.celery_singleton.ttl60", base=Singleton, lock_expiry=60)
+
+try:
+    from celery_once import QueueOnce
+except ImportError:
+    pass
+else:
+    _define("crash.celery_once.default", base=QueueOnce)
+    _define("crash.celery_once.ttl60", base=QueueOnce, once={"timeout": 60})

@@ -22,7 +22,10 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
     redislock_url=f"{LOCKS}/0",
     singleton_backend_url=f"{LOCKS}/0",
-    ONCE={"backend": "celery_once.backends.Redis", "settings": {"url": f"{LOCKS}/0", "default_timeout": 3600}},
+    ONCE={
+        "backend": "celery_once.backends.Redis",
+        "settings": {"url": f"{LOCKS}/0", "default_timeout": 3600},
+    },
 )
 
 #: How each contender's lock lifetime reads in the report.

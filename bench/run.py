@@ -12,6 +12,7 @@ and JSON in bench/results/results.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -38,7 +39,7 @@ from tests.servers import CeleryWorkerProcess, RedisServer, wait_until  # noqa: 
 RESULTS = ROOT / "bench" / "results"
 
 
-# -- results ---------------------------------------------------------------------
+# -- results ----------------------------------------------------------------------------
 
 
 @dataclass
@@ -76,8 +77,16 @@ class Report:
     def __init__(self) -> None:
         self.figures: dict[tuple[str, str, str], Figure] = {}
 
-    def add(self, scenario: str, contender: str, metric: str, unit: str, value: float,
-            ratio: float | None = None, note: str = "") -> None:
+    def add(
+        self,
+        scenario: str,
+        contender: str,
+        metric: str,
+        unit: str,
+        value: float,
+        ratio: float | None = None,
+        note: str = "",
+    ) -> None:
         key = (scenario, contender, metric)
         figure = self.figures.setdefault(key, Figure(scenario, contender, metric, unit, note=note))
         figure.values.append(value)
@@ -88,15 +97,16 @@ class Report:
 
     def markdown(self) -> str:
         lines = [
-            "| Scenario | Contender | Metric | Median | Min–max | Ratio to baseline (median, min–max) | Rounds | Note |",
+            "| Scenario | Contender | Metric | Median | Min-max "
+            "| Ratio to baseline (median, min-max) | Rounds | Note |",
             "|---|---|---|---|---|---|---|---|",
         ]
         for figure in self.figures.values():
             s = figure.summary()
             v, r = s["value"], s["ratio"]
             value = _fmt(v["median"]) if v else "—"
-            spread = f"{_fmt(v['min'])}–{_fmt(v['max'])}" if v else "—"
-            ratio = f"{r['median']:.3f} ({r['min']:.3f}–{r['max']:.3f})" if r else "—"
+            spread = f"{_fmt(v['min'])}-{_fmt(v['max'])}" if v else "—"
+            ratio = f"{r['median']:.3f} ({r['min']:.3f}-{r['max']:.3f})" if r else "—"
             lines.append(
                 f"| {figure.scenario} | {figure.contender} | {figure.metric} ({figure.unit}) | "
                 f"{value} | {spread} | {ratio} | {s['rounds']} | {figure.note} |"
@@ -116,10 +126,10 @@ def _fmt(x: float) -> str:
 
 def percentile(xs: list[float], q: float) -> float:
     ordered = sorted(xs)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-# -- helpers -----------------------------------------------------------------------
+# -- helpers ----------------------------------------------------------------------------
 
 
 def peers_available() -> dict[str, bool]:
@@ -186,11 +196,18 @@ def count_round_trips(server: RedisServer, action: Callable[[], None]) -> int:
 
 
 @contextmanager
-def worker(broker: RedisServer, locks: RedisServer, pool: str,
-           concurrency: int) -> Iterator[CeleryWorkerProcess]:
+def worker(
+    broker: RedisServer, locks: RedisServer, pool: str, concurrency: int
+) -> Iterator[CeleryWorkerProcess]:
     env = {"BENCH_BROKER_URL": broker.url, "BENCH_LOCK_URL": locks.url}
-    process = CeleryWorkerProcess("bench.tasks", env, pool=pool, concurrency=concurrency,
-                                  name=f"bench-{pool}", extra=("--loglevel", "WARNING"))
+    process = CeleryWorkerProcess(
+        "bench.tasks",
+        env,
+        pool=pool,
+        concurrency=concurrency,
+        name=f"bench-{pool}",
+        extra=("--loglevel", "WARNING"),
+    )
     try:
         from bench import tasks
 
@@ -200,7 +217,7 @@ def worker(broker: RedisServer, locks: RedisServer, pool: str,
         process.close()
 
 
-# -- scenario 1: per-task overhead ---------------------------------------------------
+# -- scenario 1: per-task overhead ------------------------------------------------------
 
 
 def per_task_overhead(report: Report, rounds: int, n: int, contenders: list[str]) -> None:
@@ -216,29 +233,47 @@ def per_task_overhead(report: Report, rounds: int, n: int, contenders: list[str]
             scenario = f"1. per-task overhead ({pool} -c {concurrency}, {n} no-op tasks)"
             for round_no in range(rounds):
                 with worker(broker, locks, pool, concurrency):
-                    order = contenders[round_no % len(contenders):] + contenders[:round_no % len(contenders)]
+                    order = (
+                        contenders[round_no % len(contenders) :]
+                        + contenders[: round_no % len(contenders)]
+                    )
                     rates: dict[str, float] = {}
                     for contender in order:
                         rates[contender] = _drain(tasks, contender, n, counter, locks, round_no)
                     for contender in contenders:
-                        report.add(scenario, contender, "throughput", "tasks/s", rates[contender],
-                                   rates[contender] / rates["plain"])
+                        report.add(
+                            scenario,
+                            contender,
+                            "throughput",
+                            "tasks/s",
+                            rates[contender],
+                            rates[contender] / rates["plain"],
+                        )
                     if round_no == 0:
                         for contender in contenders:
                             trips = count_round_trips(
                                 locks, lambda c=contender: _drain(tasks, c, 200, counter, locks, 99)
                             )
-                            report.add(scenario, contender, "lock-store round trips per task",
-                                       "commands", trips / 200)
-                print(f"  {pool} round {round_no + 1}/{rounds}: "
-                      + ", ".join(f"{c} {rates[c]:.0f}/s" for c in contenders), flush=True)
+                            report.add(
+                                scenario,
+                                contender,
+                                "lock-store round trips per task",
+                                "commands",
+                                trips / 200,
+                            )
+                print(
+                    f"  {pool} round {round_no + 1}/{rounds}: "
+                    + ", ".join(f"{c} {rates[c]:.0f}/s" for c in contenders),
+                    flush=True,
+                )
     finally:
         broker.close()
         locks.close()
 
 
-def _drain(tasks: Any, contender: str, n: int, counter: redis.Redis, locks: RedisServer,
-           round_no: int) -> float:
+def _drain(
+    tasks: Any, contender: str, n: int, counter: redis.Redis, locks: RedisServer, round_no: int
+) -> float:
     task = tasks.app.tasks[f"bench.{contender}"]
     counter.set("done", 0)
     locks.client().flushall()
@@ -249,7 +284,7 @@ def _drain(tasks: Any, contender: str, n: int, counter: redis.Redis, locks: Redi
     return n / (time.perf_counter() - started)
 
 
-# -- scenario 2: lock cycle ------------------------------------------------------------
+# -- scenario 2: lock cycle -------------------------------------------------------------
 
 
 def lock_cycle(report: Report, rounds: int, seconds: float) -> None:
@@ -267,7 +302,10 @@ def lock_cycle(report: Report, rounds: int, seconds: float) -> None:
         lock.acquire(blocking=False)
         lock.release()
 
-    cycles: dict[str, Callable[[int], None]] = {"redis-py Lock": redis_py, "celery-redislock RedisLock": ours}
+    cycles: dict[str, Callable[[int], None]] = {
+        "redis-py Lock": redis_py,
+        "celery-redislock RedisLock": ours,
+    }
     if available["redis_lock"]:
         import redis_lock
 
@@ -304,15 +342,24 @@ def lock_cycle(report: Report, rounds: int, seconds: float) -> None:
                     count += 1
                 rates[name] = count / (time.perf_counter() - started)
             for name in cycles:
-                report.add(scenario, name, "cycles/s", "cycles/s", rates[name],
-                           rates[name] / rates["redis-py Lock"])
-            print(f"  round {round_no + 1}/{rounds}: "
-                  + ", ".join(f"{k} {v:.0f}/s" for k, v in rates.items()), flush=True)
+                report.add(
+                    scenario,
+                    name,
+                    "cycles/s",
+                    "cycles/s",
+                    rates[name],
+                    rates[name] / rates["redis-py Lock"],
+                )
+            print(
+                f"  round {round_no + 1}/{rounds}: "
+                + ", ".join(f"{k} {v:.0f}/s" for k, v in rates.items()),
+                flush=True,
+            )
     finally:
         server.close()
 
 
-# -- scenario 3: renewal at scale -----------------------------------------------------------
+# -- scenario 3: renewal at scale -------------------------------------------------------
 
 
 def renewal_at_scale(report: Report, rounds: int, sizes: list[int], hold: float) -> None:
@@ -338,33 +385,69 @@ def renewal_at_scale(report: Report, rounds: int, sizes: list[int], hold: float)
                 lost = sum(lock.lost for lock in locks)
                 for lock in locks:
                     lock.release()
-                report.add(scenario, "celery-redislock (one renewer thread)", "round trips per tick",
-                           "round trips", trips / max(ticks, 1))
-                report.add(scenario, "celery-redislock (one renewer thread)", "locks per round trip",
-                           "locks", size * ticks / max(trips, 1))
-                report.add(scenario, "celery-redislock (one renewer thread)", "process CPU per tick",
-                           "ms", 1000 * cpu / max(ticks, 1))
-                report.add(scenario, "celery-redislock (one renewer thread)", "locks expired or lost",
-                           "locks", (size - alive) + lost)
+                report.add(
+                    scenario,
+                    "celery-redislock (one renewer thread)",
+                    "round trips per tick",
+                    "round trips",
+                    trips / max(ticks, 1),
+                )
+                report.add(
+                    scenario,
+                    "celery-redislock (one renewer thread)",
+                    "locks per round trip",
+                    "locks",
+                    size * ticks / max(trips, 1),
+                )
+                report.add(
+                    scenario,
+                    "celery-redislock (one renewer thread)",
+                    "process CPU per tick",
+                    "ms",
+                    1000 * cpu / max(ticks, 1),
+                )
+                report.add(
+                    scenario,
+                    "celery-redislock (one renewer thread)",
+                    "locks expired or lost",
+                    "locks",
+                    (size - alive) + lost,
+                )
             if size <= 1000 and available["redis_lock"]:
                 _python_redis_lock_renewal(report, client, server, rounds, size, ttl, hold)
     finally:
         server.close()
 
 
-def _python_redis_lock_renewal(report: Report, client: redis.Redis, server: RedisServer,
-                               rounds: int, size: int, ttl: float, hold: float) -> None:
+def _python_redis_lock_renewal(
+    report: Report,
+    client: redis.Redis,
+    server: RedisServer,
+    rounds: int,
+    size: int,
+    ttl: float,
+    hold: float,
+) -> None:
     import redis_lock
 
     scenario = f"3. renewal at scale ({size} locks, TTL {ttl:g}s, held {hold:g}s)"
     for round_no in range(rounds):
         server.client().flushall()
         threads_before = threading.active_count()
-        locks = [redis_lock.Lock(client, f"prl:{round_no}:{i}", expire=int(ttl), auto_renewal=True)
-                 for i in range(size)]
+        locks = [
+            redis_lock.Lock(client, f"prl:{round_no}:{i}", expire=int(ttl), auto_renewal=True)
+            for i in range(size)
+        ]
         for lock in locks:
             lock.acquire(blocking=False)
         threads = threading.active_count() - threads_before
+        died: list[str] = []
+        previous_hook = threading.excepthook
+
+        def record_death(args: Any, into: list[str] = died) -> None:
+            into.append(type(args.exc_value).__name__)
+
+        threading.excepthook = record_death
         stats_before = server.client().info("stats")["total_commands_processed"]
         cpu_before = time.process_time()
         time.sleep(hold)
@@ -372,16 +455,26 @@ def _python_redis_lock_renewal(report: Report, client: redis.Redis, server: Redi
         cpu = time.process_time() - cpu_before
         alive = sum(client.exists(f"lock:prl:{round_no}:{i}") for i in range(size))
         for lock in locks:
-            lock.release()
+            with contextlib.suppress(redis_lock.NotAcquired):  # it expired: counted above
+                lock.release()
+        threading.excepthook = previous_hook
         ticks = hold / (ttl * 2 / 3)
         name = "python-redis-lock (a thread per lock)"
         report.add(scenario, name, "renewal threads", "threads", threads)
         report.add(scenario, name, "round trips per tick", "round trips", commands / max(ticks, 1))
         report.add(scenario, name, "process CPU per tick", "ms", 1000 * cpu / max(ticks, 1))
         report.add(scenario, name, "locks expired or lost", "locks", size - alive)
+        report.add(
+            scenario,
+            name,
+            "renewal threads that died",
+            "threads",
+            len(died),
+            note=", ".join(sorted(set(died))),
+        )
 
 
-# -- scenario 4: hand-off latency -------------------------------------------------------------
+# -- scenario 4: hand-off latency -------------------------------------------------------
 
 
 def hand_off(report: Report, rounds: int, handoffs: int) -> None:
@@ -396,7 +489,12 @@ def hand_off(report: Report, rounds: int, handoffs: int) -> None:
             assert acquire(holder)
             got: list[float] = []
             waiter = make()
-            thread = threading.Thread(target=lambda w=waiter: acquire(w) and got.append(time.perf_counter()))
+
+            def wait(w: Any = waiter, into: list[float] = got) -> None:
+                if acquire(w):
+                    into.append(time.perf_counter())
+
+            thread = threading.Thread(target=wait)
             thread.start()
             time.sleep(0.02 + (n % 3) * 0.01)  # the waiter is blocked by now
             released = time.perf_counter()
@@ -430,7 +528,7 @@ def hand_off(report: Report, rounds: int, handoffs: int) -> None:
         server.close()
 
 
-# -- scenario 5: crash recovery -----------------------------------------------------------------
+# -- scenario 5: crash recovery ---------------------------------------------------------
 
 
 def crash_recovery(report: Report, rounds: int, cap: float, contenders: list[str]) -> None:
@@ -439,30 +537,51 @@ def crash_recovery(report: Report, rounds: int, cap: float, contenders: list[str
     from bench import crash_tasks
 
     reset_peer_globals()
-    crash_tasks.app.conf.update(broker_url=f"{broker.url}/0", redislock_url=f"{locks.url}/0",
-                                singleton_backend_url=f"{locks.url}/0")
+    crash_tasks.app.conf.update(
+        broker_url=f"{broker.url}/0",
+        redislock_url=f"{locks.url}/0",
+        singleton_backend_url=f"{locks.url}/0",
+    )
     record = broker.client(3, decode_responses=True)
     scenario = "5. crash recovery (30 s task; seconds until a duplicate runs)"
     try:
         for variant in ("default", "ttl60"):
             for contender in contenders:
                 for kill in ("pool child", "whole worker"):
-                    for round_no in range(rounds):
-                        seconds = _crash_once(crash_tasks, broker, locks, record, contender,
-                                              variant, kill, cap)
+                    for _round_no in range(rounds):
+                        seconds = _crash_once(
+                            crash_tasks, broker, locks, record, contender, variant, kill, cap
+                        )
                         ttl = crash_tasks.TTL_NOTE[(contender, variant)]
                         shown = seconds if seconds is not None else float("inf")
-                        report.add(scenario, f"{contender} ({ttl})", f"{kill} SIGKILL", "s", shown,
-                                   note="" if seconds is not None else f"no duplicate within {cap:g}s")
-                        print(f"  {contender} {variant} {kill}: "
-                              f"{'%.2fs' % seconds if seconds is not None else f'> {cap:g}s'}", flush=True)
+                        report.add(
+                            scenario,
+                            f"{contender} ({ttl})",
+                            f"{kill} SIGKILL",
+                            "s",
+                            shown,
+                            note="" if seconds is not None else f"no duplicate within {cap:g}s",
+                        )
+                        print(
+                            f"  {contender} {variant} {kill}: "
+                            f"{f'{seconds:.2f}s' if seconds is not None else f'> {cap:g}s'}",
+                            flush=True,
+                        )
     finally:
         broker.close()
         locks.close()
 
 
-def _crash_once(crash_tasks: Any, broker: RedisServer, locks: RedisServer, record: redis.Redis,
-                contender: str, variant: str, kill: str, cap: float) -> float | None:
+def _crash_once(
+    crash_tasks: Any,
+    broker: RedisServer,
+    locks: RedisServer,
+    record: redis.Redis,
+    contender: str,
+    variant: str,
+    kill: str,
+    cap: float,
+) -> float | None:
     broker.client().flushall()
     locks.client().flushall()
     task = crash_tasks.app.tasks[f"crash.{contender}.{variant}"]
@@ -500,13 +619,11 @@ def _crash_once(crash_tasks: Any, broker: RedisServer, locks: RedisServer, recor
 
 
 def _send(task: Any) -> None:
-    try:
+    with contextlib.suppress(Exception):  # celery-once raises AlreadyQueued for a duplicate
         task.apply_async(("same-key",))
-    except Exception:  # celery-once raises AlreadyQueued for a duplicate
-        pass
 
 
-# -- main ---------------------------------------------------------------------------------------------
+# -- main -------------------------------------------------------------------------------
 
 
 def main() -> int:
@@ -514,8 +631,12 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tasks", type=int, default=3000)
     parser.add_argument("--crash-rounds", type=int, default=1)
-    parser.add_argument("--crash-cap", type=float, default=75.0,
-                        help="longest wait for a duplicate after a kill (s)")
+    parser.add_argument(
+        "--crash-cap",
+        type=float,
+        default=75.0,
+        help="longest wait for a duplicate after a kill (s)",
+    )
     parser.add_argument("--only", default="1,2,3,4,5", help="scenario numbers, e.g. 1,2")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, to check the bench runs")
     parser.add_argument("--out", default=str(RESULTS))
@@ -525,28 +646,52 @@ def main() -> int:
         args.rounds, args.tasks, args.crash_rounds, args.crash_cap = 1, 40, 1, 10.0
     available = peers_available()
     contenders = ["plain", "redislock"] + [
-        name for name, module in (("celery_singleton", "celery_singleton"), ("celery_once", "celery_once"))
+        name
+        for name, module in (
+            ("celery_singleton", "celery_singleton"),
+            ("celery_once", "celery_once"),
+        )
         if available[module]
     ]
     report = Report()
     started = time.time()
     print(f"peers installed: {available}", flush=True)
-    if 1 in only:
-        print("1. per-task overhead", flush=True)
-        per_task_overhead(report, args.rounds, args.tasks, contenders)
-    if 2 in only:
-        print("2. lock cycle", flush=True)
-        lock_cycle(report, args.rounds, 0.3 if args.smoke else 2.0)
-    if 3 in only:
-        print("3. renewal at scale", flush=True)
-        renewal_at_scale(report, args.rounds, [50] if args.smoke else [1000, 10000],
-                         2.0 if args.smoke else 6.0)
-    if 4 in only:
-        print("4. hand-off latency", flush=True)
-        hand_off(report, args.rounds, 5 if args.smoke else 40)
-    if 5 in only:
-        print("5. crash recovery", flush=True)
-        crash_recovery(report, args.crash_rounds, args.crash_cap, [c for c in contenders if c != "plain"])
+    scenarios: list[tuple[int, str, Callable[[], None]]] = [
+        (
+            1,
+            "per-task overhead",
+            lambda: per_task_overhead(report, args.rounds, args.tasks, contenders),
+        ),
+        (2, "lock cycle", lambda: lock_cycle(report, args.rounds, 0.3 if args.smoke else 2.0)),
+        (
+            3,
+            "renewal at scale",
+            lambda: renewal_at_scale(
+                report,
+                args.rounds,
+                [50] if args.smoke else [1000, 10000],
+                2.0 if args.smoke else 6.0,
+            ),
+        ),
+        (4, "hand-off latency", lambda: hand_off(report, args.rounds, 5 if args.smoke else 40)),
+        (
+            5,
+            "crash recovery",
+            lambda: crash_recovery(
+                report, args.crash_rounds, args.crash_cap, [c for c in contenders if c != "plain"]
+            ),
+        ),
+    ]
+    failed: list[str] = []
+    for number, name, run in scenarios:
+        if number not in only:
+            continue
+        print(f"{number}. {name}", flush=True)
+        try:
+            run()
+        except Exception as exc:  # keep the other scenarios' results
+            failed.append(f"{number}. {name}: {type(exc).__name__}: {exc}")
+            print(f"  FAILED: {failed[-1]}", flush=True)
     table = report.markdown()
     print("\n" + table)
     out = Path(args.out)
@@ -559,13 +704,18 @@ def main() -> int:
         "redis": _redis_version(),
         "peers": available,
         "arguments": vars(args),
+        "failed_scenarios": failed,
     }
-    (out / "results.json").write_text(json.dumps(
-        {"meta": meta, "figures": [f.summary() for f in report.figures.values()]}, indent=2))
+    (out / "results.json").write_text(
+        json.dumps(
+            {"meta": meta, "figures": [f.summary() for f in report.figures.values()]}, indent=2
+        )
+    )
     (out / "results.md").write_text(
-        f"# Benchmark results\n\n{json.dumps(meta, indent=2)}\n\n{table}\n")
+        f"# Benchmark results\n\n{json.dumps(meta, indent=2)}\n\n{table}\n"
+    )
     print(f"\nwritten to {out}/results.md and results.json ({meta['duration_s']} s)")
-    return 0
+    return 1 if failed else 0
 
 
 def _redis_version() -> str:

@@ -17,6 +17,11 @@ from tests.servers import wait_until
 pytestmark = [pytest.mark.fault, pytest.mark.subprocess, pytest.mark.slow]
 
 
+def losses_reported(c: Cluster) -> int:
+    reasons = ("lost:gone", "lost:stolen", "lost:expired_locally")
+    return sum(int(c.record.get(reason) or 0) for reason in reasons)
+
+
 def writes(c: Cluster, name: str) -> list[tuple[str, int, bool, bool]]:
     rows = []
     for raw in c.record.lrange(f"writes:{name}", 0, -1):
@@ -64,10 +69,7 @@ def test_stopped_holder_loses_its_lock_and_its_fenced_write_is_refused(cluster: 
     stale = rows[1]
     assert stale[3] is True  # the stale holder had learned of the loss
     assert rows[0][1] > stale[1]  # the successor's fence is higher
-    losses = sum(
-        int(cluster.record.get(k) or 0)
-        for k in ("lost:gone", "lost:stolen", "lost:expired_locally")
-    )
+    losses = losses_reported(cluster)
     print(
         f"\n[measured] SIGSTOP {ttl}s-TTL holder: successor ran, "
         f"{losses} loss reported, stale write refused"
@@ -117,10 +119,7 @@ def test_soak_random_child_kills_never_reorder_fenced_writes(cluster: Cluster) -
         accepted += len(history)
         out_of_order += sum(1 for a, b in itertools.pairwise(history) if b <= a)
     refused = sum(int(cluster.record.get(f"soak:refused:k{k}") or 0) for k in range(keys))
-    losses = sum(
-        int(cluster.record.get(k) or 0)
-        for k in ("lost:gone", "lost:stolen", "lost:expired_locally")
-    )
+    losses = losses_reported(cluster)
     print(
         f"\n[measured] soak: {total} executions, {kills} child kills, {accepted} fenced writes "
         f"accepted, {refused} refused, {out_of_order} out of order, {losses} losses detected"

@@ -25,8 +25,8 @@ test: $(BIN)/.installed-test
 
 ## ruff (lint and format) and mypy --strict on the package.
 lint: $(BIN)/.installed-dev
-	$(BIN)/ruff check celery_redislock tests examples
-	$(BIN)/ruff format --check celery_redislock tests examples
+	$(BIN)/ruff check celery_redislock tests examples bench
+	$(BIN)/ruff format --check celery_redislock tests examples bench
 	$(BIN)/mypy
 
 ## Start Redis (unless REDIS_URL is set), 2 workers, fire duplicates, print a summary.

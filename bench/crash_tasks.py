@@ -7,26 +7,11 @@ import time
 from typing import Any
 
 import redis
-from celery import Celery
 
+from bench.common import bench_app, broker_url
 from celery_redislock import SingletonTask
 
-BROKER = os.environ.get("BENCH_BROKER_URL", "redis://127.0.0.1:6379").rstrip("/")
-LOCKS = os.environ.get("BENCH_LOCK_URL", "redis://127.0.0.1:6379").rstrip("/")
-
-app = Celery("bench_crash")
-app.conf.update(
-    broker_url=f"{BROKER}/0",
-    task_ignore_result=True,
-    worker_prefetch_multiplier=1,
-    broker_connection_retry_on_startup=True,
-    redislock_url=f"{LOCKS}/0",
-    singleton_backend_url=f"{LOCKS}/0",
-    ONCE={
-        "backend": "celery_once.backends.Redis",
-        "settings": {"url": f"{LOCKS}/0", "default_timeout": 3600},
-    },
-)
+app = bench_app("bench_crash", prefetch=1)
 
 #: How each contender's lock lifetime reads in the report.
 TTL_NOTE: dict[tuple[str, str], str] = {
@@ -40,7 +25,7 @@ TTL_NOTE: dict[tuple[str, str], str] = {
 
 
 def _body() -> None:
-    redis.Redis.from_url(f"{BROKER}/3").set("pid", os.getpid())
+    redis.Redis.from_url(f"{broker_url()}/3").set("pid", os.getpid())
     time.sleep(30)
 
 

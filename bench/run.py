@@ -223,8 +223,11 @@ def worker(
 def per_task_overhead(report: Report, rounds: int, n: int, contenders: list[str]) -> None:
     broker, locks = RedisServer(), RedisServer()
     os.environ["BENCH_BROKER_URL"], os.environ["BENCH_LOCK_URL"] = broker.url, locks.url
+    import importlib
+
     from bench import tasks
 
+    tasks = importlib.reload(tasks)
     reset_peer_globals()
     tasks.app.conf.update(broker_url=f"{broker.url}/0", redislock_url=f"{locks.url}/0")
     counter = broker.client(3)

@@ -8,29 +8,13 @@ uses, a separate redis-server so its commands can be counted).
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import redis
-from celery import Celery
 
+from bench.common import bench_app, broker_url
 from celery_redislock import SingletonTask
 
-BROKER = os.environ.get("BENCH_BROKER_URL", "redis://127.0.0.1:6379").rstrip("/")
-LOCKS = os.environ.get("BENCH_LOCK_URL", "redis://127.0.0.1:6379").rstrip("/")
-
-app = Celery("bench")
-app.conf.update(
-    broker_url=f"{BROKER}/0",
-    task_ignore_result=True,
-    worker_prefetch_multiplier=4,
-    broker_connection_retry_on_startup=True,
-    redislock_url=f"{LOCKS}/0",
-    singleton_backend_url=f"{LOCKS}/0",
-    ONCE={
-        "backend": "celery_once.backends.Redis",
-        "settings": {"url": f"{LOCKS}/0", "default_timeout": 3600},
-    },
-)
+app = bench_app("bench", prefetch=4)
 
 _done: redis.Redis | None = None
 
@@ -38,7 +22,7 @@ _done: redis.Redis | None = None
 def done() -> None:
     global _done
     if _done is None or _done.connection_pool.pid != os.getpid():  # type: ignore[attr-defined]
-        _done = redis.Redis.from_url(f"{BROKER}/3")
+        _done = redis.Redis.from_url(f"{broker_url()}/3")
     _done.incr("done")
 
 
@@ -74,8 +58,3 @@ if QueueOnce is not None:
     @app.task(name="bench.celery_once", base=QueueOnce)
     def celery_once(n: int) -> None:
         done()
-
-
-def crash_tasks() -> dict[str, Any]:
-    """Long tasks for the crash-recovery scenario (defined lazily with a TTL)."""
-    return {}

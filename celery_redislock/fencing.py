@@ -30,6 +30,8 @@ from typing import Any
 import redis
 from redis.exceptions import NoScriptError
 
+from celery_redislock.exceptions import RedisLockError
+
 __all__ = ["FencedStore", "StaleFence"]
 
 # KEYS[1] - hash holding the resource: field "value" and field "fence"
@@ -47,7 +49,7 @@ return {1}
 """
 
 
-class StaleFence(Exception):
+class StaleFence(RedisLockError):
     """A write carried a fence lower than one the resource has already seen.
 
     Attributes:

@@ -106,6 +106,7 @@ if not ours then
 end
 if ARGV[4] ~= '' then
     redis.call('SET', KEYS[1], ARGV[4], 'PX', ARGV[5])
+    redis.call('PUBLISH', ARGV[3], '1')  -- a waiting retry may adopt it
     return 1
 end
 redis.call('DEL', KEYS[1])

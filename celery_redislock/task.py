@@ -99,6 +99,9 @@ QUEUED_TOKEN_HEADER = "redislock_token"
 #: Hostname field of a queued (not yet running) lock value.
 QUEUED_HOST = "<queued>"
 
+#: Longest wait for the lock still held by this task's own previous attempt.
+_OWN_RETRY_WAIT = 10.0
+
 # Canvas members and tasks carrying callbacks are always published: dropping
 # one would break a chord's counter or lose the rest of a workflow. Retries
 # (same task id) are the owner coming back, never a duplicate.
@@ -382,6 +385,18 @@ class SingletonTaskMixin(_TaskBase):
             if waited.acquired:
                 granted.append(waited)
             return waited.acquired
+
+        holder = LockValue.decode(result.holder) if result.holder else None
+        if (
+            holder is not None
+            and holder.owner.task_id == request.id
+            and holder.owner.attempt < (request.retries or 0)
+            and wait_for_lock(min(result.ttl_remaining or _OWN_RETRY_WAIT, _OWN_RETRY_WAIT))
+        ):
+            # Our own previous attempt raised Retry and published this
+            # message just before its ``finally`` released the lock: the
+            # release is a moment away, so wait for it instead of retrying.
+            return self._granted(settings, key, value, granted[-1], started)
 
         headers = dict(request.headers or {})
         contention = Contention(

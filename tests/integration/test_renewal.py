@@ -79,8 +79,8 @@ def test_deleted_lock_is_reported_lost_once_and_others_keep_renewing(
     wait_until(
         lambda: survivor.handle is not None and survivor.handle.renewals >= base + 3, timeout=5
     )
-    assert [e["key"] for e in lost_events] == ["victim"]
-    assert lost_events[0]["reason"] == "gone"
+    mine = [e for e in lost_events if e["key"] in ("victim", "survivor")]
+    assert [(e["key"], e["reason"]) for e in mine] == [("victim", "gone")]
     assert lock_client.exists("victim") == 0  # never re-created
     survivor.release()
     victim.release()
@@ -96,7 +96,7 @@ def test_taken_over_lock_is_reported_stolen_and_left_alone(
     assert lock.handle is not None and lock.handle.lost_reason == "stolen"
     lock.release()
     assert lock_client.get("stolen") == b"someone-else"
-    assert len(lost_events) == 1
+    assert [e["reason"] for e in lost_events if e["key"] == "stolen"] == ["stolen"]
 
 
 def test_callback_fires_once_from_the_renewer(lock_client: redis.Redis) -> None:

@@ -121,7 +121,6 @@ def periodic() -> str:
     return "ran"
 
 
-@task_revoked.connect
 def count_expired(sender: Any = None, expired: bool = False, **kwargs: Any) -> None:
     if expired:
         record().incr("expired")
@@ -195,11 +194,17 @@ def soak(self: Any, key: str, n: int) -> int:
     return n
 
 
-@lock_lost.connect
 def count_loss(sender: Any = None, **kwargs: Any) -> None:
     record().incr(f"lost:{kwargs['reason']}")
 
 
-@lock_contended.connect
 def count_contention(sender: Any = None, **kwargs: Any) -> None:
     record().incr(f"contended:{kwargs['policy']}")
+
+
+# Counted only in the worker processes the tests start: the test process
+# imports this module too, and must not send its own events here.
+if "REDISLOCK_TEST_URL" in os.environ:
+    task_revoked.connect(count_expired, weak=False)
+    lock_lost.connect(count_loss, weak=False)
+    lock_contended.connect(count_contention, weak=False)

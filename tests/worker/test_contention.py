@@ -245,3 +245,19 @@ def test_eager_retry_policy_spends_its_budget_at_once(
     hold_lock(lock_client, job, ttl=30)
     result = job.apply()
     assert result.state == "FAILURE" and isinstance(result.result, LockContended)
+
+
+def test_a_retry_waits_for_its_own_previous_attempt_to_release(
+    app: Celery, lock_client: redis.Redis
+) -> None:
+    """The retry message is published before the previous attempt's finally
+    releases: the new attempt waits for that release instead of retrying."""
+
+    @app.task(base=SingletonTask, bind=True, shared=False, lock_on_contention=Raise())
+    def job(self: Any) -> int:
+        return int(self.request.retries)
+
+    key, value = hold_lock(lock_client, job, holder_task_id="same-task", ttl=30)
+    backend = job._lock_settings().backend
+    threading.Timer(0.3, lambda: backend.release(key, value)).start()
+    assert job.apply(task_id="same-task", retries=1).get() == 1  # not LockContended

@@ -314,7 +314,9 @@ class LockBackend:
 
     def warm_up(self) -> None:
         """Open the renewal connection now, so the first renewal is a single round trip."""
-        with contextlib.suppress(RedisError):
+        # Best effort only: the first renewal connects anyway if this fails
+        # (for instance when the app's clients were closed meanwhile).
+        with contextlib.suppress(Exception):
             self.renewal_client().ping()
 
     def renewal_client(self) -> redis.Redis:

@@ -138,7 +138,13 @@ class Renewer:
     def _run(self) -> None:
         try:
             while True:
-                timeout = self._tick()
+                try:
+                    timeout = self._tick()
+                except Exception:
+                    # Never let the thread die: every lock in the process
+                    # depends on it. Try again shortly.
+                    logger.exception("lock renewer tick failed; continuing")
+                    timeout = 0.1
                 if timeout is None:
                     return
                 self._wake.acquire(timeout=max(timeout, 0.0))

@@ -168,3 +168,34 @@ def test_forked_child_never_renews_or_releases_the_parents_lock(lock_client: red
     base = lock.handle.renewals if lock.handle else 0
     wait_until(lambda: lock.handle is not None and lock.handle.renewals >= base + 2, timeout=5)
     lock.release()
+
+
+def test_renewer_survives_an_unexpected_error_in_a_tick(lock_client: redis.Redis) -> None:
+    """A bug or a closed client in one backend must not stop every renewal."""
+    from celery_redislock._clock import clock
+    from celery_redislock.backend import LockBackend
+    from celery_redislock.lock import LockHandle
+
+    class Broken(LockBackend):
+        def warm_up(self) -> None:
+            raise ValueError("I/O operation on closed file")
+
+        def renew_many(self, items: Any, client: Any = None) -> Any:
+            raise RuntimeError("boom")
+
+    broken = LockHandle(
+        Broken(client=lock_client),
+        "broken",
+        "v",
+        0.3,
+        clock(),
+        task_name="broken",
+        task_id=None,
+        sender=None,
+    )
+    healthy = RedisLock(lock_client, "healthy", ttl=0.6)
+    assert healthy.acquire(blocking=False)
+    wait_until(lambda: healthy.handle is not None and healthy.handle.renewals >= 3, timeout=5)
+    assert renewer().alive
+    broken.release()
+    healthy.release()

@@ -193,9 +193,15 @@ class Renewer:
         try:
             self.round_trips += 1
             outcomes = backend.renew_many(items)
-        except LockBackendError as exc:
+        except Exception as exc:
+            # Redis unreachable (LockBackendError) or anything unexpected:
+            # either way this backend's locks stay valid until their
+            # deadline, and the other backends' locks are not affected.
             now = clock()
-            logger.warning("could not renew %d lock(s): %s", len(handles), exc)
+            if isinstance(exc, LockBackendError):
+                logger.warning("could not renew %d lock(s): %s", len(handles), exc)
+            else:
+                logger.exception("could not renew %d lock(s)", len(handles))
             for handle in handles:
                 if now >= handle.valid_until:
                     handle._mark_lost("expired_locally")

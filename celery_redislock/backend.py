@@ -17,7 +17,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -400,36 +400,26 @@ class LockBackend:
         )
 
     def acquire_waiting(
-        self,
-        key: str,
-        value: str,
-        ttl_ms: int,
-        timeout: float,
-        on_wait: Callable[[AcquireResult], None] | None = None,
-        adopt: str = "",
+        self, key: str, value: str, ttl_ms: int, timeout: float, adopt: str = ""
     ) -> AcquireResult:
-        """Take the lock, waiting up to ``timeout`` seconds for its release.
+        """Take a lock already found held, waiting up to ``timeout`` seconds.
 
-        The waiter subscribes to the key's release channel *before* trying
-        again, so a release between the failed try and the subscription is
-        never missed; each wait is also capped at the holder's remaining TTL,
-        so a lost message or a holder that died costs at most that long.
+        Callers try :meth:`acquire` first; this subscribes to the key's
+        release channel *before* trying again, so a release between the
+        failed try and the subscription is never missed. Each wait is also
+        capped at the holder's remaining TTL, so a lost message or a holder
+        that died costs at most that long.
 
         Args:
             key: Lock key.
             value: Value to store.
             ttl_ms: Time to live once taken.
             timeout: Longest total wait, in seconds.
-            on_wait: Called once with the first contended reply.
+            adopt: A value this caller may take over (see :meth:`acquire`).
 
         Raises:
             LockBackendError: Redis is unreachable.
         """
-        result = self.acquire(key, value, ttl_ms, adopt)
-        if result.acquired or timeout <= 0:
-            return result
-        if on_wait is not None:
-            on_wait(result)
         deadline = time.monotonic() + timeout
         with self._errors("wait for", key):
             pubsub = self.client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call,unused-ignore]

@@ -82,6 +82,11 @@ def interrupter_for_current_thread() -> Callable[[LockHandle], None] | None:
     return by_async_exception
 
 
+def abort_pending() -> bool:
+    """True if a signal-delivered abort is waiting for some thread."""
+    return bool(_pending)
+
+
 def cancel_pending_abort(handle: LockHandle) -> None:
     """Withdraw an abort not yet delivered (the execution ended first)."""
     if _pending.get(threading.get_ident()) is handle:

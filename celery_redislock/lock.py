@@ -14,7 +14,7 @@ from celery_redislock import signals
 from celery_redislock._clock import clock
 from celery_redislock.backend import AcquireResult, LockBackend, ReleaseOutcome, RenewOutcome
 from celery_redislock.exceptions import ConfigurationError, LockContended, LockNotOwned
-from celery_redislock.interrupt import cancel_pending_abort
+from celery_redislock.interrupt import abort_pending, cancel_pending_abort
 from celery_redislock.renewal import renewer
 from celery_redislock.tokens import LockOwner, LockValue
 
@@ -229,7 +229,7 @@ class LockHandle:
         self.released = True
         if self._renewing:
             renewer().unregister(self)
-        if self.abort_sent_to is not None or self._on_lost:
+        if self.abort_sent_to is not None or abort_pending():
             cancel_pending_abort(self)
         try:
             if keep is None:
@@ -393,12 +393,14 @@ class RedisLock:
         return True
 
     def _acquire_blocking(self, value: str, ttl_ms: int, timeout: float | None) -> AcquireResult:
+        result = self.backend.acquire(self.name, value, ttl_ms)
+        if result.acquired or (timeout is not None and timeout <= 0):
+            return result
         if timeout is not None:
             return self.backend.acquire_waiting(self.name, value, ttl_ms, timeout)
-        while True:  # wait as long as it takes, in bounded slices
+        while not result.acquired:  # wait as long as it takes, in bounded slices
             result = self.backend.acquire_waiting(self.name, value, ttl_ms, 60.0)
-            if result.acquired:
-                return result
+        return result
 
     def _contended(self, result: AcquireResult) -> None:
         signals.lock_contended.send(

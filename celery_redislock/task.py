@@ -191,22 +191,19 @@ class SingletonTaskMixin(_TaskBase):
         where = f"task {vars(cls).get('name') or cls.__qualname__}"
         cls._redislock_signature = _run_signature(cls)
         cls._redislock_held = LocalStack()
-        if cls.lock_ttl is not None:
-            validate_ttl(cls.lock_ttl, f"{where}: lock_ttl")
-        if cls.lock_on_contention is not None:
-            resolve_policy(cls.lock_on_contention, f"{where}: lock_on_contention")
-        if cls.lock_beat_on_contention is not None:
-            resolve_policy(cls.lock_beat_on_contention, f"{where}: lock_beat_on_contention")
-        if cls.lock_on_lost is not None:
-            validate_lost_mode(cls.lock_on_lost, f"{where}: lock_on_lost")
-        if cls.lock_enqueue_ttl is not None:
-            validate_ttl(cls.lock_enqueue_ttl, f"{where}: lock_enqueue_ttl")
-        if cls.lock_hold_after_success is not None:
-            validate_hold(cls.lock_hold_after_success, f"{where}: lock_hold_after_success")
-        if cls.lock_on_backend_error is not None:
-            validate_backend_error_mode(
-                cls.lock_on_backend_error, f"{where}: lock_on_backend_error"
-            )
+        validators: dict[str, Callable[[Any, str], Any]] = {
+            "lock_ttl": validate_ttl,
+            "lock_enqueue_ttl": validate_ttl,
+            "lock_on_contention": resolve_policy,
+            "lock_beat_on_contention": resolve_policy,
+            "lock_on_lost": validate_lost_mode,
+            "lock_hold_after_success": validate_hold,
+            "lock_on_backend_error": validate_backend_error_mode,
+        }
+        for attribute, validate in validators.items():
+            value = getattr(cls, attribute)
+            if value is not None:
+                validate(value, f"{where}: {attribute}")
         if cls.lock_key is not None and not callable(cls.lock_key):
             raise ConfigurationError(f"{where}: lock_key must be callable, got {cls.lock_key!r}")
         if cls.lock_key is not None and cls.lock_args is not None:
@@ -232,7 +229,9 @@ class SingletonTaskMixin(_TaskBase):
         Raises:
             LockKeyError: the arguments cannot be encoded into a key.
         """
-        settings = self._lock_settings()
+        return self._key(self._lock_settings(), args, kwargs)
+
+    def _key(self, settings: TaskSettings, args: Sequence[Any], kwargs: dict[str, Any]) -> str:
         prefix = settings.app.key_prefix
         key_function = type(self).lock_key
         if key_function is not None:
@@ -274,7 +273,7 @@ class SingletonTaskMixin(_TaskBase):
         ):
             return super().apply_async(None if args is None else tuple(args), kwargs, **options)
         args, kwargs = tuple(args or ()), dict(kwargs or {})
-        key = self.lock_key_for(args, kwargs)
+        key = self._key(settings, args, kwargs)
         task_id = options.pop("task_id", None) or uuid()
         token = LockValue.new(LockOwner(task_id, 0, QUEUED_HOST, None), self.name).encode()
         ttl = settings.enqueue_ttl + _seconds_until(options.get("eta") or options.get("countdown"))
@@ -320,8 +319,7 @@ class SingletonTaskMixin(_TaskBase):
         """Free the key of a queued task that will never run (revoked, expired)."""
         settings = self._lock_settings()
         if settings.enabled:
-            key = self.lock_key_for(args, kwargs or {})
-            settings.backend.release(key, token)
+            settings.backend.release(self._key(settings, args, kwargs or {}), token)
 
     # -- the execution ---------------------------------------------------------------
 
@@ -363,7 +361,7 @@ class SingletonTaskMixin(_TaskBase):
         None means "run unprotected" (lock store down, ``on_backend_error="run"``).
         """
         request = self.request
-        key = self.lock_key_for(args, kwargs)
+        key = self._key(settings, args, kwargs)
         owner = LockOwner.current(request.id, request.retries or 0, request.hostname)
         value = LockValue.new(owner, self.name).encode()
         started = clock()
@@ -387,6 +385,7 @@ class SingletonTaskMixin(_TaskBase):
             return waited.acquired
 
         holder = LockValue.decode(result.holder) if result.holder else None
+        holder_task_id = holder.owner.task_id or None if holder is not None else None
         if (
             holder is not None
             and holder.owner.task_id == request.id
@@ -399,19 +398,18 @@ class SingletonTaskMixin(_TaskBase):
             return self._granted(settings, key, value, granted[-1], started)
 
         headers = dict(request.headers or {})
+        lock_retries = int(headers.get(LOCK_RETRIES_HEADER) or 0)
         contention = Contention(
             key=key,
             task_name=self.name,
             task_id=request.id,
-            holder_task_id=result.holder_task_id,
+            holder_task_id=holder_task_id,
             ttl_remaining=result.ttl_remaining,
             redelivered=bool((request.delivery_info or {}).get("redelivered")),
-            lock_retries=int(headers.get(LOCK_RETRIES_HEADER) or 0),
+            lock_retries=lock_retries,
             wait_for_lock=wait_for_lock,
             retry_later=lambda countdown, exc: self._resend(
-                countdown,
-                exc,
-                {LOCK_RETRIES_HEADER: int(headers.get(LOCK_RETRIES_HEADER) or 0) + 1},
+                countdown, exc, {LOCK_RETRIES_HEADER: lock_retries + 1}
             ),
         )
         from_beat = bool(
@@ -565,7 +563,7 @@ class SingletonTaskMixin(_TaskBase):
         settings = self._lock_settings()
         if not settings.enabled:
             return None
-        key = self.lock_key_for(args, kwargs)
+        key = self._key(settings, args, kwargs)
         owner = LockOwner(task_id, attempt, hostname, pid)
         if requeued_token and settings.enqueue:
             # The message goes back to the queue (retry_on_worker_lost, or

@@ -154,3 +154,40 @@ def test_wait_times_out_while_the_holder_keeps_it(backend: LockBackend) -> None:
     backend.acquire("k", "holder", 30000)
     result = backend.acquire_waiting("k", "waiter", 30000, timeout=0.3)
     assert not result.acquired and result.holder == "holder"
+
+
+def test_direct_path_reconnects_after_the_server_drops_the_connection(
+    backend: LockBackend, lock_client: redis.Redis
+) -> None:
+    """A pooled connection killed by the server is replaced by the client's retry."""
+    assert backend.acquire("k", "v1", 5000).acquired
+    killed = lock_client.client_kill_filter(_type="normal", skipme=True)
+    assert killed >= 1
+    assert backend.acquire("k", "v1", 5000).acquired
+    assert backend.release("k", "v1") is ReleaseOutcome.RELEASED
+    assert lock_client.exists("k") == 0
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"single_connection_client": True}, {"protocol": 2}, {"encoding": "latin-1"}],
+    ids=["single-connection", "resp2", "latin-1"],
+)
+def test_lock_scripts_on_other_client_shapes(
+    server: RedisServer, lock_client: redis.Redis, options: dict[str, object]
+) -> None:
+    """Clients the direct path does not serve go through evalsha; both give the same outcomes."""
+    backend = LockBackend(client=redis.Redis.from_url(server.url_for(LOCK_DB), **options))
+    value = "v1|t-é|0|hôte|1|n|tâche|0"
+    taken = backend.acquire("clé", value, 5000)
+    assert taken.acquired and taken.fence is not None and taken.fence > 0
+    contended = backend.acquire("clé", "other", 5000)
+    assert not contended.acquired and contended.holder_task_id == "t-é"
+    assert backend.release("clé", value) is ReleaseOutcome.RELEASED
+    encoding = str(options.get("encoding", "utf-8"))
+    assert lock_client.exists("clé".encode(encoding)) == 0
+
+
+def test_direct_path_rejects_values_redis_cannot_take(backend: LockBackend) -> None:
+    with pytest.raises(TypeError, match="cannot send float"):
+        backend.acquire("k", "v1", 1.5)  # type: ignore[arg-type]

@@ -9,8 +9,10 @@ trip per script per flush and never an error.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import enum
+import functools
 import hashlib
 import logging
 import os
@@ -138,6 +140,54 @@ return result
 """
 
 
+class _IdleConnections:
+    """Connections of one pool kept for the direct path, handed out LIFO.
+
+    A pool's own checkout costs a lock and a non-blocking ``recv`` (its
+    "unread data" check) per command; this is a ``deque.pop``. The check is
+    not needed here: redis-py closes a connection whenever a send or read is
+    interrupted, so no connection is put back with a reply pending. The
+    connections are built from the pool's class and arguments (so AUTH, TLS
+    and Sentinel resolution are the pool's), but are not counted against its
+    ``max_connections``. After a fork the parent's connections are dropped
+    unused.
+    """
+
+    def __init__(self, pool: Any) -> None:
+        # Not the pool itself: it is the weak key this object is stored under.
+        self._new = functools.partial(pool.connection_class, **pool.connection_kwargs)
+        self._pid = os.getpid()
+        self._idle: collections.deque[Any] = collections.deque()
+
+    def take(self) -> Any:
+        if self._pid != os.getpid():
+            self._idle, self._pid = collections.deque(), os.getpid()
+        try:
+            return self._idle.pop()
+        except IndexError:
+            return self._new()
+
+    def give_back(self, connection: Any) -> None:
+        if self._pid == os.getpid():
+            self._idle.append(connection)
+
+    def close(self) -> None:
+        while self._idle:
+            self._idle.pop().disconnect()
+
+
+_IDLE: weakref.WeakKeyDictionary[Any, _IdleConnections] = weakref.WeakKeyDictionary()
+_IDLE_GUARD = threading.Lock()
+
+
+def _idle_connections(pool: Any) -> _IdleConnections:
+    idle = _IDLE.get(pool)
+    if idle is None:
+        with _IDLE_GUARD:
+            idle = _IDLE.setdefault(pool, _IdleConnections(pool))
+    return idle
+
+
 class _Script:
     """A Lua script addressed by SHA1, re-sent as EVAL after NOSCRIPT.
 
@@ -169,14 +219,15 @@ class _Script:
             except NoScriptError:
                 return client.eval(self.source, len(keys), *keys, *args)
         assert pool is not None
-        connection = pool.get_connection()
+        idle = _idle_connections(pool)
+        connection = idle.take()
         try:
             return connection.retry.call_with_retry(
                 lambda: self._run_on(connection, keys, args),
                 lambda _error: connection.disconnect(),
             )
         finally:
-            pool.release(connection)
+            idle.give_back(connection)
 
     def _run_on(self, connection: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
         body = _bulk_strings((str(len(keys)), *keys, *args), connection.encoder.encoding)
@@ -451,7 +502,10 @@ class LockBackend:
             return AcquireResult(True, sent_at=sent_at, fence=int(reply[1]))
         pttl = int(reply[2])
         return AcquireResult(
-            False, _text(reply[1], self.client), pttl / 1000.0 if pttl >= 0 else None, sent_at=sent_at
+            False,
+            _text(reply[1], self.client),
+            pttl / 1000.0 if pttl >= 0 else None,
+            sent_at=sent_at,
         )
 
     def acquire_waiting(
@@ -594,10 +648,56 @@ class LockBackend:
             return None, None
         return _text(value, self.client), (pttl / 1000.0 if pttl >= 0 else None)
 
+    def scan_keys(self, match: str, batch: int = 1000) -> Iterator[list[str]]:
+        """Yield batches of keys matching the glob ``match`` (SCAN, never KEYS).
+
+        Fence counters (``...:fence``) are left out. SCAN may return a key
+        twice while the keyspace is being resized; callers deduplicate.
+        """
+        with self._errors("list", match):
+            cursor: Any = 0
+            while True:
+                cursor, found = self.client.scan(cursor=cursor, match=match, count=batch)
+                keys = [k.decode() if isinstance(k, bytes) else str(k) for k in found]
+                keys = [k for k in keys if not k.endswith(":fence")]
+                if keys:
+                    yield keys
+                if int(cursor) == 0:
+                    return
+
+    def inspect_many(
+        self, keys: Sequence[str]
+    ) -> list[tuple[str | None, float | None, int | None]]:
+        """Return ``(value, remaining TTL in s, last fence)`` for each key, in one round trip."""
+        if not keys:
+            return []
+        with self._errors("inspect", keys[0]):
+            pipe = self.client.pipeline(transaction=False)
+            for key in keys:
+                pipe.get(key)
+                pipe.pttl(key)
+                pipe.get(fence_key(key))
+            replies = pipe.execute()
+        out: list[tuple[str | None, float | None, int | None]] = []
+        for index in range(0, len(replies), 3):
+            value, pttl, fence = replies[index : index + 3]
+            out.append(
+                (
+                    None if value is None else _text(value, self.client),
+                    pttl / 1000.0 if value is not None and pttl >= 0 else None,
+                    int(fence) if fence is not None else None,
+                )
+            )
+        return out
+
     def close(self) -> None:
         """Disconnect this process's clients."""
         for client in (self._client, self._renew_client):
             if client is not None and self.url is not None:
+                pool = getattr(client, "connection_pool", None)
+                idle = _IDLE.get(pool) if pool is not None else None
+                if idle is not None:
+                    idle.close()
                 client.close()
         if self.url is not None:
             self._client = None

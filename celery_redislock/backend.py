@@ -188,6 +188,27 @@ def _idle_connections(pool: Any) -> _IdleConnections:
     return idle
 
 
+def _uses_direct_path(client: Any) -> bool:
+    return (
+        type(client) is redis.Redis
+        and client.connection is None
+        and getattr(client.connection_pool, "cache", None) is None
+    )
+
+
+def _connect_direct(client: Any) -> None:
+    """Have one connection of ``client``'s direct path open (or ping it)."""
+    if not _uses_direct_path(client):
+        client.ping()
+        return
+    idle = _idle_connections(client.connection_pool)
+    connection = idle.take()
+    try:
+        connection.connect()
+    finally:
+        idle.give_back(connection)
+
+
 class _Script:
     """A Lua script addressed by SHA1, re-sent as EVAL after NOSCRIPT.
 
@@ -208,18 +229,12 @@ class _Script:
         self._evalsha_head = b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n" + self.sha.encode() + b"\r\n"
 
     def __call__(self, client: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        pool = getattr(client, "connection_pool", None)
-        if (
-            type(client) is not redis.Redis
-            or client.connection is not None
-            or getattr(pool, "cache", None) is not None
-        ):
+        if not _uses_direct_path(client):
             try:
                 return client.evalsha(self.sha, len(keys), *keys, *args)
             except NoScriptError:
                 return client.eval(self.source, len(keys), *keys, *args)
-        assert pool is not None
-        idle = _idle_connections(pool)
+        idle = _idle_connections(client.connection_pool)
         connection = idle.take()
         try:
             return connection.retry.call_with_retry(
@@ -423,7 +438,7 @@ class LockBackend:
         # Best effort only: the first renewal connects anyway if this fails
         # (for instance when the app's clients were closed meanwhile).
         with contextlib.suppress(Exception):
-            self.renewal_client().ping()
+            _connect_direct(self.renewal_client())
 
     def renewal_client(self) -> redis.Redis:
         """The renewer's (and releases') client: short timeout, no redis-py retries."""

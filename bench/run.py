@@ -646,7 +646,7 @@ def main() -> int:
     args = parser.parse_args()
     only = {int(x) for x in args.only.split(",")}
     if args.smoke:
-        args.rounds, args.tasks, args.crash_rounds, args.crash_cap = 1, 40, 1, 10.0
+        args.rounds, args.tasks, args.crash_rounds, args.crash_cap = 1, 40, 1, 3.0
     available = peers_available()
     contenders = ["plain", "redislock"] + [
         name

@@ -23,11 +23,13 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
+from urllib.parse import unquote, urlsplit
 
 import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.exceptions import ConnectionError, NoScriptError, RedisError, ResponseError, TimeoutError
 from redis.retry import Retry
+from redis.sentinel import Sentinel
 
 from celery_redislock._clock import clock
 from celery_redislock.exceptions import LockBackendError
@@ -244,7 +246,52 @@ class _Script:
         finally:
             idle.give_back(connection)
 
+    def call_then_wait(
+        self, client: Any, keys: Sequence[str], args: Sequence[Any], replicas: int, timeout_ms: int
+    ) -> tuple[Any, int | None]:
+        """Run the script, then ``WAIT`` on the same connection if it reports success.
+
+        Returns the script's reply and the number of replicas that
+        acknowledged (``None`` when the script did not succeed). ``WAIT``
+        counts the writes of its own connection, so it must follow the
+        script on that connection, and never inside MULTI.
+
+        Raises:
+            LockBackendError: the client cannot guarantee one connection
+                for both (Redis Cluster, client-side caching).
+        """
+
+        def run_on(connection: Any) -> tuple[Any, int | None]:
+            reply = self._run_on(connection, keys, args)
+            if int(reply[0]) != 1:
+                return reply, None
+            connection.send_command("WAIT", replicas, timeout_ms)
+            return reply, int(connection.read_response())
+
+        if _uses_direct_path(client):
+            idle = _idle_connections(client.connection_pool)
+            connection = idle.take()
+            try:
+                return connection.retry.call_with_retry(  # type: ignore[no-any-return]
+                    lambda: run_on(connection), lambda _error: connection.disconnect()
+                )
+            finally:
+                idle.give_back(connection)
+        if isinstance(client, redis.Redis) and client.connection is not None:
+            reply = self(client, keys, args)  # a single-connection client: same connection
+            if int(reply[0]) != 1:
+                return reply, None
+            acked = client.execute_command("WAIT", replicas, timeout_ms)  # type: ignore[no-untyped-call]
+            return reply, int(acked)
+        raise LockBackendError(
+            f"lock_min_replicas needs a plain redis.Redis client, not {type(client).__name__}: "
+            "WAIT must run on the connection that took the lock"
+        )
+
     def _run_on(self, connection: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        # connect() first, not the implicit connect of a send: a Sentinel
+        # connection resolves the current master only in connect().
+        connection.connect()
         body = _bulk_strings((str(len(keys)), *keys, *args), connection.encoder.encoding)
         count = len(keys) + len(args) + 3
         connection.send_packed_command([self._evalsha_head % count + body])
@@ -350,6 +397,39 @@ _DEFAULT_OPTIONS: Mapping[str, Any] = {
     "socket_connect_timeout": 5.0,
     "health_check_interval": 30,
 }
+
+
+def _sentinel_master(url: str, options: Mapping[str, Any]) -> redis.Redis:
+    """Build a client that follows the master of a Sentinel-monitored service.
+
+    ``sentinel://[[user]:password@]host:port[,host:port...]/service[/db]``.
+    The credentials are the data nodes' (as in ``redis://``); the sentinels'
+    own connection settings go in ``redislock_redis_options["sentinel_kwargs"]``.
+    Every (re)connect asks the sentinels for the current master, and a
+    connection still open to a demoted master is dropped on its first
+    ``READONLY`` reply, so the client follows a failover by itself.
+    """
+    parsed = urlsplit(url)
+    path = [part for part in parsed.path.split("/") if part]
+    if not path or len(path) > 2:
+        raise ValueError("expected sentinel://host:port[,host:port...]/service_name[/db]")
+    service, db = path[0], int(path[1]) if len(path) > 1 else 0
+    hosts = parsed.netloc.rpartition("@")[2]
+    sentinels = []
+    for address in hosts.split(","):
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"sentinel address {address!r} is not host:port")
+        sentinels.append((host, int(port)))
+    options = dict(options)
+    sentinel_kwargs = options.pop("sentinel_kwargs", None)
+    if parsed.username:
+        options["username"] = unquote(parsed.username)
+    if parsed.password:
+        options["password"] = unquote(parsed.password)
+    sentinel = Sentinel(sentinels, sentinel_kwargs=sentinel_kwargs, **options)  # type: ignore[no-untyped-call]
+    master: redis.Redis = sentinel.master_for(service, db=db)  # type: ignore[no-untyped-call]
+    return master
 
 
 class LockBackend:
@@ -474,6 +554,8 @@ class LockBackend:
     @staticmethod
     def _build(url: str, options: Mapping[str, Any]) -> redis.Redis:
         try:
+            if url.startswith("sentinel://"):
+                return _sentinel_master(url, options)
             return redis.Redis.from_url(url, **options)
         except (ValueError, TypeError) as exc:
             raise LockBackendError(f"cannot use redislock_url {url!r}: {exc}") from exc
@@ -499,19 +581,51 @@ class LockBackend:
 
     # -- operations ------------------------------------------------------
 
-    def acquire(self, key: str, value: str, ttl_ms: int, adopt: str = "") -> AcquireResult:
+    def acquire(
+        self,
+        key: str,
+        value: str,
+        ttl_ms: int,
+        adopt: str = "",
+        min_replicas: int = 0,
+        replicas_timeout: float = 1.0,
+    ) -> AcquireResult:
         """Take the lock if free (or already ours, or holding ``adopt``), in one round trip.
 
         The result's ``sent_at`` is the :func:`clock` reading taken just
         before the command was sent: the lease is valid from then on.
 
+        Args:
+            key: Lock key.
+            value: Value to store.
+            ttl_ms: Time to live in milliseconds.
+            adopt: A value this caller may take over (a queued token).
+            min_replicas: If > 0, a taken lock must also be acknowledged by
+                this many replicas (``WAIT``, a second round trip), or it is
+                released again and this raises.
+            replicas_timeout: Longest ``WAIT``, in seconds.
+
         Raises:
-            LockBackendError: Redis is unreachable or refused the script.
+            LockBackendError: Redis is unreachable or refused the script, or
+                too few replicas acknowledged the lock.
         """
         sent_at = clock()
+        keys, args = (key, fence_key(key)), (value, ttl_ms, adopt, self.fence_ttl_ms)
+        acked: int | None = None
         with self._errors("acquire", key):
-            reply = _ACQUIRE(
-                self.client, (key, fence_key(key)), (value, ttl_ms, adopt, self.fence_ttl_ms)
+            if min_replicas > 0:
+                timeout_ms = max(int(replicas_timeout * 1000), 1)
+                reply, acked = _ACQUIRE.call_then_wait(
+                    self.client, keys, args, min_replicas, timeout_ms
+                )
+            else:
+                reply = _ACQUIRE(self.client, keys, args)
+        if acked is not None and acked < min_replicas:
+            self.release(key, value)
+            raise LockBackendError(
+                f"lock {key!r} was taken but only {acked} of {min_replicas} replica(s) "
+                f"acknowledged it within {replicas_timeout}s; released it again "
+                "(a failover now could lose it)"
             )
         if int(reply[0]) == 1:
             return AcquireResult(True, sent_at=sent_at, fence=int(reply[1]))
@@ -524,7 +638,14 @@ class LockBackend:
         )
 
     def acquire_waiting(
-        self, key: str, value: str, ttl_ms: int, timeout: float, adopt: str = ""
+        self,
+        key: str,
+        value: str,
+        ttl_ms: int,
+        timeout: float,
+        adopt: str = "",
+        min_replicas: int = 0,
+        replicas_timeout: float = 1.0,
     ) -> AcquireResult:
         """Take a lock already found held, waiting up to ``timeout`` seconds.
 
@@ -540,9 +661,11 @@ class LockBackend:
             ttl_ms: Time to live once taken.
             timeout: Longest total wait, in seconds.
             adopt: A value this caller may take over (see :meth:`acquire`).
+            min_replicas: See :meth:`acquire`.
+            replicas_timeout: See :meth:`acquire`.
 
         Raises:
-            LockBackendError: Redis is unreachable.
+            LockBackendError: Redis is unreachable (or too few replicas).
         """
         deadline = time.monotonic() + timeout
         with self._errors("wait for", key):
@@ -550,7 +673,7 @@ class LockBackend:
             try:
                 pubsub.subscribe(release_channel(key))
                 while True:
-                    result = self.acquire(key, value, ttl_ms, adopt)
+                    result = self.acquire(key, value, ttl_ms, adopt, min_replicas, replicas_timeout)
                     remaining = deadline - time.monotonic()
                     if result.acquired or remaining <= 0:
                         return result

@@ -32,6 +32,7 @@ __all__ = [
     "validate_backend_error_mode",
     "validate_hold",
     "validate_lost_mode",
+    "validate_replicas",
 ]
 
 logger = logging.getLogger("celery_redislock.config")
@@ -54,6 +55,8 @@ DEFAULTS: Mapping[str, Any] = {
     "redislock_beat_on_contention": "skip",
     "redislock_fence_ttl": 3600.0,
     "redislock_on_lost": "report",
+    "redislock_min_replicas": 0,
+    "redislock_min_replicas_timeout": 1.0,
 }
 
 BACKEND_ERROR_MODES = ("fail", "run")
@@ -74,6 +77,13 @@ def validate_lost_mode(value: Any, where: str) -> str:
     if value not in LOST_MODES:
         raise ConfigurationError(f"{where} must be 'report' or 'abort', got {value!r}")
     return str(value)
+
+
+def validate_replicas(value: Any, where: str) -> int:
+    """Return ``value`` if it is an int >= 0, else raise."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigurationError(f"{where} must be an int >= 0, got {value!r}")
+    return value
 
 
 def validate_hold(value: Any, where: str) -> float:
@@ -102,6 +112,8 @@ class AppSettings:
     hold_after_success: float
     beat_on_contention: ContentionPolicy
     on_lost: str
+    min_replicas: int
+    min_replicas_timeout: float
     backend: LockBackend = field(compare=False, repr=False)
 
 
@@ -171,6 +183,12 @@ def _read(app: Celery) -> AppSettings:
             _get(app, "redislock_beat_on_contention"), "redislock_beat_on_contention"
         ),
         on_lost=validate_lost_mode(_get(app, "redislock_on_lost"), "redislock_on_lost"),
+        min_replicas=validate_replicas(
+            _get(app, "redislock_min_replicas"), "redislock_min_replicas"
+        ),
+        min_replicas_timeout=validate_ttl(
+            _get(app, "redislock_min_replicas_timeout"), "redislock_min_replicas_timeout"
+        ),
         backend=LockBackend(
             url,
             dict(options),
@@ -221,6 +239,8 @@ class TaskSettings:
     enqueue_raise: bool
     hold_after_success: float
     on_lost: str
+    min_replicas: int
+    min_replicas_timeout: float
 
     @classmethod
     def merge(cls, task: Any, app: AppSettings) -> TaskSettings:
@@ -245,4 +265,6 @@ class TaskSettings:
             enqueue_raise=bool(pick("lock_enqueue_raise", app.enqueue_raise)),
             hold_after_success=float(pick("lock_hold_after_success", app.hold_after_success)),
             on_lost=str(pick("lock_on_lost", app.on_lost)),
+            min_replicas=int(pick("lock_min_replicas", app.min_replicas)),
+            min_replicas_timeout=float(pick("lock_min_replicas_timeout", app.min_replicas_timeout)),
         )

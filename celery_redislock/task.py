@@ -52,6 +52,7 @@ from celery_redislock.config import (
     validate_backend_error_mode,
     validate_hold,
     validate_lost_mode,
+    validate_replicas,
 )
 from celery_redislock.exceptions import AlreadyQueued, ConfigurationError, LockBackendError
 from celery_redislock.interrupt import interrupter_for_current_thread
@@ -162,6 +163,11 @@ class SingletonTaskMixin(_TaskBase):
         lock_on_lost: ``"report"`` (default: flag, signal, ERROR log) or
             ``"abort"`` (also raise :class:`LockLost` inside the running body
             where the pool allows it; see ``interrupt.py``).
+        lock_min_replicas: After taking the lock, wait (``WAIT``) until this
+            many replicas have it; if they do not within
+            ``lock_min_replicas_timeout`` seconds, release it and treat the
+            acquisition as a lock-store error (``lock_on_backend_error``).
+        lock_min_replicas_timeout: Longest wait for the replicas (default 1 s).
     """
 
     lock_args: Sequence[str] | None = None
@@ -176,6 +182,8 @@ class SingletonTaskMixin(_TaskBase):
     lock_hold_after_success: float | None = None
     lock_beat_on_contention: str | ContentionPolicy | None = None
     lock_on_lost: str | None = None
+    lock_min_replicas: int | None = None
+    lock_min_replicas_timeout: float | None = None
 
     #: The worker's request class; it adds the parent-side release.
     Request = "celery_redislock.task:SingletonRequest"
@@ -199,6 +207,8 @@ class SingletonTaskMixin(_TaskBase):
             "lock_on_lost": validate_lost_mode,
             "lock_hold_after_success": validate_hold,
             "lock_on_backend_error": validate_backend_error_mode,
+            "lock_min_replicas": validate_replicas,
+            "lock_min_replicas_timeout": validate_ttl,
         }
         for attribute, validate in validators.items():
             value = getattr(cls, attribute)
@@ -367,7 +377,14 @@ class SingletonTaskMixin(_TaskBase):
         started = clock()
         adopt = _queued_token(request) or ""
         try:
-            result = settings.backend.acquire(key, value, settings.ttl_ms, adopt)
+            result = settings.backend.acquire(
+                key,
+                value,
+                settings.ttl_ms,
+                adopt,
+                settings.min_replicas,
+                settings.min_replicas_timeout,
+            )
         except LockBackendError as exc:
             self._on_backend_error(settings, key, exc)
             return None
@@ -378,7 +395,13 @@ class SingletonTaskMixin(_TaskBase):
 
         def wait_for_lock(timeout: float) -> bool:
             waited = settings.backend.acquire_waiting(
-                key, value, settings.ttl_ms, timeout, adopt=adopt
+                key,
+                value,
+                settings.ttl_ms,
+                timeout,
+                adopt,
+                settings.min_replicas,
+                settings.min_replicas_timeout,
             )
             if waited.acquired:
                 granted.append(waited)

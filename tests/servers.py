@@ -151,6 +151,67 @@ class RedisServer:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+class SentinelServer:
+    """A redis-server in sentinel mode on a free port, monitoring one master.
+
+    ``quorum`` 1 and a short ``down_after_ms`` make a failover start about a
+    second after the master stops answering.
+    """
+
+    def __init__(self, service: str, master_port: int, down_after_ms: int = 1000) -> None:
+        self.port = free_port()
+        self.dir = tempfile.mkdtemp(prefix="redislock-test-sentinel-")
+        config = os.path.join(self.dir, "sentinel.conf")
+        with open(config, "w") as handle:
+            handle.write(
+                f"port {self.port}\n"
+                "bind 127.0.0.1\n"
+                f"dir {self.dir}\n"
+                f"logfile {os.path.join(self.dir, 'sentinel.log')}\n"
+                f"sentinel monitor {service} 127.0.0.1 {master_port} 1\n"
+                f"sentinel down-after-milliseconds {service} {down_after_ms}\n"
+                f"sentinel failover-timeout {service} 10000\n"
+                f"sentinel parallel-syncs {service} 1\n"
+            )
+        self.process: subprocess.Popen[bytes] | None = subprocess.Popen(
+            [redis_server_binary(), config, "--sentinel"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        client = self.client()
+
+        def ready() -> bool:
+            assert self.process is not None
+            if self.process.poll() is not None:
+                raise RuntimeError(f"redis-server --sentinel exited with {self.process.returncode}")
+            try:
+                return bool(client.ping())
+            except redis.RedisError:
+                return False
+
+        wait_until(ready, timeout=10, message="the sentinel to accept connections")
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(
+            host="127.0.0.1", port=self.port, socket_timeout=1, decode_responses=True
+        )
+
+    def log(self) -> str:
+        with open(os.path.join(self.dir, "sentinel.log")) as handle:
+            return handle.read()
+
+    def close(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+        self.process = None
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
 _DEBUG_FLAG_CACHE: dict[str, bool] = {}
 
 
@@ -286,7 +347,11 @@ class FaultProxy:
                 client, _ = self.listener.accept()
             except OSError:
                 return
-            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            except OSError:  # the server is gone (killed by the test)
+                client.close()
+                continue
             self.sockets += [client, upstream]
             for source, sink in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pipe, args=(source, sink), daemon=True).start()

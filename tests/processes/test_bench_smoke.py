@@ -15,6 +15,7 @@ from tests.servers import ROOT
 pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
 
 
+@pytest.mark.timeout(420)
 def test_bench_smoke(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "bench.run", "--smoke", "--out", str(tmp_path)],

@@ -27,6 +27,7 @@ from urllib.parse import unquote, urlsplit
 
 import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.cluster import RedisCluster
 from redis.exceptions import ConnectionError, NoScriptError, RedisError, ResponseError, TimeoutError
 from redis.retry import Retry
 from redis.sentinel import Sentinel
@@ -327,8 +328,15 @@ RENEW_CHUNK_SIZE = 500
 
 
 def fence_key(key: str) -> str:
-    """Return the key of ``key``'s fence counter (same Redis Cluster slot)."""
-    return f"{key}:fence"
+    """Return the key of ``key``'s fence counter, in the same Redis Cluster slot.
+
+    A key with a hash tag (``...{tag}...``) keeps it; any other key becomes
+    the tag itself (``{key}:fence``), which Redis hashes exactly as ``key``.
+    """
+    start = key.find("{")
+    if start >= 0 and key.find("}", start + 1) > start + 1:
+        return f"{key}:fence"
+    return f"{{{key}}}:fence"
 
 
 def release_channel(key: str) -> str:
@@ -481,7 +489,8 @@ class LockBackend:
         Sharing it is what lets the renewer serve all of them in one round
         trip per tick.
         """
-        pool = client.connection_pool
+        # A Redis Cluster client has no single pool: it is its own key.
+        pool = getattr(client, "connection_pool", client)
         with _SHARED_GUARD:
             backend = _SHARED.get(pool)
             if backend is None:
@@ -529,6 +538,11 @@ class LockBackend:
             if self.url is not None:
                 options = dict(self.options)
                 url = self.url
+            elif isinstance(self._client, RedisCluster):
+                # A caller's cluster client cannot be copied with other
+                # timeouts pool by pool; the renewer shares it.
+                self._renew_client, self._renew_client_pid = self._client, os.getpid()
+                return self._client
             else:
                 assert self._client is not None
                 pool_kwargs = dict(self._client.connection_pool.connection_kwargs)
@@ -556,6 +570,10 @@ class LockBackend:
         try:
             if url.startswith("sentinel://"):
                 return _sentinel_master(url, options)
+            if url.startswith(("redis+cluster://", "rediss+cluster://")):
+                scheme, rest = url.split("://", 1)
+                base = scheme.split("+")[0]
+                return RedisCluster.from_url(f"{base}://{rest}", **options)  # type: ignore[return-value]
             return redis.Redis.from_url(url, **options)
         except (ValueError, TypeError) as exc:
             raise LockBackendError(f"cannot use redislock_url {url!r}: {exc}") from exc
@@ -743,6 +761,8 @@ class LockBackend:
         if not items:
             return []
         client = client or self.renewal_client()
+        if isinstance(client, RedisCluster):
+            return self._renew_by_slot(client, items)
         chunks = [items[i : i + RENEW_CHUNK_SIZE] for i in range(0, len(items), RENEW_CHUNK_SIZE)]
         with self._errors("renew", items[0][0]):
             if len(chunks) == 1:
@@ -751,6 +771,29 @@ class LockBackend:
                 replies = self._renew_pipelined(client, chunks)
         return [RenewOutcome(int(status)) for reply in replies for status in reply]
 
+    def _renew_by_slot(
+        self, client: RedisCluster, items: Sequence[tuple[str, str, int]]
+    ) -> list[RenewOutcome]:
+        # A script may only touch keys of one slot: one call per slot (and
+        # chunk), all sent in one cluster pipeline, i.e. one round trip per
+        # node. Outcomes go back into the callers' order.
+        by_slot: dict[int, list[int]] = {}
+        for index, (key, _, _) in enumerate(items):
+            by_slot.setdefault(client.keyslot(key), []).append(index)  # type: ignore[no-untyped-call]
+        order = [i for indices in by_slot.values() for i in indices]
+        chunks = [
+            [items[i] for i in indices[start : start + RENEW_CHUNK_SIZE]]
+            for indices in by_slot.values()
+            for start in range(0, len(indices), RENEW_CHUNK_SIZE)
+        ]
+        with self._errors("renew", items[0][0]):
+            replies = self._renew_pipelined(client, chunks)
+        statuses = [int(status) for reply in replies for status in reply]
+        outcomes: list[RenewOutcome] = [RenewOutcome.GONE] * len(items)
+        for position, index in enumerate(order):
+            outcomes[index] = RenewOutcome(statuses[position])
+        return outcomes
+
     @staticmethod
     def _renew_args(chunk: Sequence[tuple[str, str, int]]) -> tuple[list[str], list[Any]]:
         keys = [key for key, _, _ in chunk]
@@ -758,14 +801,14 @@ class LockBackend:
         return keys, args
 
     def _renew_pipelined(
-        self, client: redis.Redis, chunks: Sequence[Sequence[tuple[str, str, int]]]
+        self, client: redis.Redis | RedisCluster, chunks: Sequence[Sequence[tuple[str, str, int]]]
     ) -> list[Any]:
         # Plain evalsha in a non-transactional pipeline: redis-py's Script
         # objects would add a SCRIPT EXISTS round trip to every execute().
         pipe = client.pipeline(transaction=False)
         prepared = [self._renew_args(chunk) for chunk in chunks]
         for keys, args in prepared:
-            pipe.evalsha(_RENEW.sha, len(keys), *keys, *args)
+            pipe.execute_command("EVALSHA", _RENEW.sha, len(keys), *keys, *args)
         replies = pipe.execute(raise_on_error=False)
         for index, reply in enumerate(replies):
             if isinstance(reply, NoScriptError):
@@ -793,15 +836,17 @@ class LockBackend:
         twice while the keyspace is being resized; callers deduplicate.
         """
         with self._errors("list", match):
-            cursor: Any = 0
-            while True:
-                cursor, found = self.client.scan(cursor=cursor, match=match, count=batch)
-                keys = [k.decode() if isinstance(k, bytes) else str(k) for k in found]
-                keys = [k for k in keys if not k.endswith(":fence")]
-                if keys:
+            keys: list[str] = []
+            # scan_iter walks every node of a Redis Cluster too.
+            for found in self.client.scan_iter(match=match, count=batch):
+                key = found.decode() if isinstance(found, bytes) else str(found)
+                if not key.endswith(":fence"):
+                    keys.append(key)
+                if len(keys) >= batch:
                     yield keys
-                if int(cursor) == 0:
-                    return
+                    keys = []
+            if keys:
+                yield keys
 
     def inspect_many(
         self, keys: Sequence[str]

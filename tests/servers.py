@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -59,10 +60,10 @@ def redis_server_binary() -> str:
 class RedisServer:
     """A redis-server process of our own, on an ephemeral port, in a temp dir."""
 
-    def __init__(self, *extra_args: str) -> None:
+    def __init__(self, *extra_args: str, port: int | None = None) -> None:
         self.binary = redis_server_binary()
         self.extra_args = list(extra_args)
-        self.port = free_port()
+        self.port = port or free_port()
         self.dir = tempfile.mkdtemp(prefix="redislock-test-redis-")
         self.process: subprocess.Popen[bytes] | None = None
         self.start()
@@ -210,6 +211,91 @@ class SentinelServer:
                 self.process.wait(5)
         self.process = None
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _free_cluster_port() -> int:
+    """A free port whose cluster bus port (+10000) is free and valid too."""
+    for _ in range(200):
+        port = random.randint(20000, 40000)
+        try:
+            for candidate in (port, port + 10000):
+                with socket.socket() as probe:
+                    probe.bind(("127.0.0.1", candidate))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port pair for a cluster node")
+
+
+class RedisClusterServers:
+    """Three cluster-enabled redis-servers (masters, no replicas) joined by redis-cli."""
+
+    def __init__(self, masters: int = 3) -> None:
+        self.nodes: list[RedisServer] = []
+        try:
+            for _ in range(masters):
+                self.nodes.append(
+                    RedisServer(
+                        "--cluster-enabled",
+                        "yes",
+                        "--cluster-config-file",
+                        "nodes.conf",
+                        "--cluster-node-timeout",
+                        "5000",
+                        port=_free_cluster_port(),
+                    )
+                )
+            cli = shutil.which("redis-cli") or os.path.join(
+                os.path.dirname(redis_server_binary()), "redis-cli"
+            )
+            addresses = [f"127.0.0.1:{node.port}" for node in self.nodes]
+            subprocess.run(
+                [
+                    cli,
+                    "--cluster",
+                    "create",
+                    *addresses,
+                    "--cluster-replicas",
+                    "0",
+                    "--cluster-yes",
+                ],
+                check=True,
+                capture_output=True,
+                timeout=60,
+            )
+
+            def settled() -> bool:
+                for node in self.nodes:
+                    info = node.client().cluster("info")
+                    if (
+                        info.get("cluster_state") != "ok"
+                        or int(info["cluster_known_nodes"]) < masters
+                    ):
+                        return False
+                return True
+
+            wait_until(settled, timeout=30, interval=0.1, message="the cluster to settle")
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def url(self) -> str:
+        return f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
+
+    def node_holding(self, key: str) -> RedisServer:
+        """The master that owns ``key``'s slot (the others answer MOVED)."""
+        for node in self.nodes:
+            try:
+                node.client().exists(key)
+            except redis.exceptions.MovedError:
+                continue
+            return node
+        raise AssertionError(f"no node owns {key!r}")
+
+    def close(self) -> None:
+        for node in self.nodes:
+            node.close()
 
 
 _DEBUG_FLAG_CACHE: dict[str, bool] = {}

@@ -1,0 +1,121 @@
+"""Redis Cluster: a real 3-master cluster on free ports (redis-cli --cluster create)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery import Celery
+from redis.cluster import RedisCluster
+
+from celery_redislock import RedisLock, SingletonTask, is_skipped
+from celery_redislock.admin import LockInventory
+from celery_redislock.backend import LockBackend, RenewOutcome, fence_key
+from celery_redislock.config import forget_app_settings
+from tests.servers import RedisClusterServers, wait_until
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[RedisClusterServers]:
+    servers = RedisClusterServers()
+    yield servers
+    servers.close()
+
+
+@pytest.fixture
+def client(cluster: RedisClusterServers) -> Iterator[RedisCluster]:
+    client = RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port)
+    client.flushall(target_nodes=RedisCluster.PRIMARIES)
+    yield client
+    client.close()
+
+
+def evalsha_calls(cluster: RedisClusterServers) -> int:
+    total = 0
+    for node in cluster.nodes:
+        stats = node.client().info("commandstats")
+        total += int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
+    return total
+
+
+def test_task_locks_spread_over_every_master_and_contend(
+    cluster: RedisClusterServers, client: RedisCluster
+) -> None:
+    app = Celery("cluster", set_as_current=False)
+    app.conf.update(broker_url="memory://", redislock_url=cluster.url)
+    nodes_used: set[int] = set()
+
+    @app.task(base=SingletonTask, bind=True, shared=False)
+    def job(self: Any, n: int) -> int:
+        node = cluster.node_holding(self.lock.key)
+        assert node.client().exists(self.lock.key, fence_key(self.lock.key)) == 2
+        nodes_used.add(node.port)
+        return n
+
+    assert [job.apply((n,)).get() for n in range(30)] == list(range(30))
+    assert nodes_used == {node.port for node in cluster.nodes}
+    keys = sum(int(node.client().dbsize()) for node in cluster.nodes)
+    assert keys == 30  # only the fence counters are left
+
+    entered, leave = threading.Event(), threading.Event()
+
+    @app.task(base=SingletonTask, bind=True, shared=False)
+    def slow(self: Any) -> str:
+        entered.set()
+        leave.wait(20)
+        return "ran"
+
+    holder = threading.Thread(target=lambda: slow.apply(), daemon=True)
+    holder.start()
+    assert entered.wait(20)
+    try:
+        assert is_skipped(slow.apply().get())
+        listed = LockInventory(app).locks()
+        assert [record.task_name for record in listed] == [slow.name]
+    finally:
+        leave.set()
+        holder.join(20)
+    assert LockInventory(app).locks() == []
+    forget_app_settings(app)
+
+
+def test_renewal_groups_keys_by_slot_and_keeps_the_callers_order(
+    cluster: RedisClusterServers, client: RedisCluster
+) -> None:
+    backend = LockBackend(client=client)
+    same_slot = [f"{{tenant}}:job:{i}" for i in range(600)]  # one slot: 2 chunks of <= 500
+    spread = [f"job:{i}" for i in range(30)]  # 30 keys, whatever slots they hash to
+    items = []
+    for key in same_slot + spread:
+        assert backend.acquire(key, "mine", 10_000).acquired
+        items.append((key, "mine", 10_000))
+    client.delete(same_slot[7])
+    client.set(spread[3], "theirs")
+    slots = {client.keyslot(key) for key in spread} | {client.keyslot(same_slot[0])}
+    calls_before = evalsha_calls(cluster)
+    outcomes = backend.renew_many(items)
+    calls = evalsha_calls(cluster) - calls_before
+    assert calls == len(slots) + 1  # one script call per slot, two for the 600-key slot
+    expected = [RenewOutcome.RENEWED] * len(items)
+    expected[7] = RenewOutcome.GONE
+    expected[600 + 3] = RenewOutcome.STOLEN
+    assert outcomes == expected
+
+
+def test_standalone_locks_on_a_cluster_client_are_renewed_and_released(
+    client: RedisCluster,
+) -> None:
+    locks = [RedisLock(client, name, ttl=0.6) for name in ("plain-name", "{tagged}:name")]
+    for lock in locks:
+        assert lock.acquire(blocking=False)
+        assert lock.handle is not None and lock.handle.fence is not None
+    handles = [lock.handle for lock in locks]
+    wait_until(lambda: all(h is not None and h.renewals >= 3 for h in handles), timeout=10)
+    assert not any(lock.lost for lock in locks)
+    for lock in locks:
+        lock.release()
+    assert client.exists("plain-name", "{tagged}:name") == 0

@@ -633,7 +633,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tasks", type=int, default=3000)
-    parser.add_argument("--crash-rounds", type=int, default=1)
+    parser.add_argument("--crash-rounds", type=int, default=5)
     parser.add_argument(
         "--crash-cap",
         type=float,

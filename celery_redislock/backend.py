@@ -585,9 +585,13 @@ class LockBackend:
         except ResponseError as exc:
             detail = str(exc)
             lowered = detail.lower()
-            if "noperm" in lowered or "no permissions" in lowered or "unknown command" in lowered:
-                detail += " (the lock store must allow EVAL/EVALSHA, GET, SET, PEXPIRE, PTTL, DEL "
-                detail += "and PUBLISH for this user)"
+            refused = ("noperm", "no permissions", "unknown command", "can't run this command")
+            if any(marker in lowered for marker in refused):
+                detail += (
+                    " (the lock store must allow EVAL/EVALSHA, GET, SET, PEXPIRE, PTTL, DEL, "
+                    "TIME and PUBLISH on the lock keys for this user, and SUBSCRIBE for the "
+                    "wait policy; see the README's ACL section)"
+                )
             raise LockBackendError(
                 f"Redis at {self.describe()} refused to {operation} lock {key!r}: {detail}"
             ) from exc

@@ -100,6 +100,9 @@ QUEUED_TOKEN_HEADER = "redislock_token"
 #: Hostname field of a queued (not yet running) lock value.
 QUEUED_HOST = "<queued>"
 
+#: Task event sent on contention when task events are on (Flower shows it).
+CONTENTION_EVENT = "task-redislock-contended"
+
 #: Longest wait for the lock still held by this task's own previous attempt.
 _OWN_RETRY_WAIT = 10.0
 
@@ -463,10 +466,31 @@ class SingletonTaskMixin(_TaskBase):
             ttl_remaining=result.ttl_remaining,
             policy=policy.name,
         )
+        self._send_contention_event(key, contention.holder_task_id, policy.name)
         decision = policy.handle(contention)
         if decision is LOCK_ACQUIRED:
             return self._granted(settings, key, value, granted[-1], started)
         return _Result(decision)
+
+    def _send_contention_event(self, key: str, holder: str | None, policy: str) -> None:
+        """Tell monitors (Flower) why this task did not run yet.
+
+        Sent only when the app sends task events (``worker_send_task_events``;
+        the worker's ``-E`` flag alone does not reach pool children). A
+        failure to send is logged, never raised into the task.
+        """
+        if not self.app.conf.worker_send_task_events:
+            return
+        try:
+            self.send_event(
+                CONTENTION_EVENT,
+                retry=False,
+                redislock_key=key,
+                redislock_holder=holder,
+                redislock_policy=policy,
+            )
+        except Exception:
+            logger.warning("could not send the %s event", CONTENTION_EVENT, exc_info=True)
 
     def _granted(
         self,

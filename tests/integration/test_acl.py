@@ -1,0 +1,144 @@
+"""An ACL user allowed only what the package needs (the README lists it) is enough."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from celery_redislock import LockBackendError, SingletonTask, Wait, is_skipped
+from celery_redislock.admin import LockInventory
+from celery_redislock.config import forget_app_settings
+from tests.servers import RedisServer, wait_until
+
+#: The rules the README documents for a lock-store user, key prefix "redislock".
+LOCK_USER_RULES = (
+    "~redislock:*",
+    "&redislock:*",
+    "+@connection",
+    "+evalsha",
+    "+eval",
+    "+get",
+    "+set",
+    "+pexpire",
+    "+pttl",
+    "+del",
+    "+time",
+    "+publish",
+    "+subscribe",
+    "+unsubscribe",
+    "+scan",
+)
+
+
+@pytest.fixture
+def acl_server(redis_server_factory: Any) -> RedisServer:
+    server: RedisServer = redis_server_factory(
+        "--user", "locker", "on", ">s3cret", *LOCK_USER_RULES,
+        "--user", "nopublish", "on", ">s3cret",
+        *[rule for rule in LOCK_USER_RULES if rule != "+publish"],
+        "--user", "noset", "on", ">s3cret",
+        *[rule for rule in LOCK_USER_RULES if rule != "+set"],
+    )  # fmt: skip
+    return server
+
+
+@pytest.fixture
+def make_app(acl_server: RedisServer) -> Iterator[Any]:
+    apps: list[Celery] = []
+
+    def make(user: str) -> Celery:
+        app = Celery(f"acl-{user}", set_as_current=False)
+        app.conf.update(
+            broker_url="memory://",
+            redislock_url=f"redis://{user}:s3cret@127.0.0.1:{acl_server.port}/0",
+            redislock_ttl=0.6,
+            redislock_backend_error_max_retries=0,
+        )
+        apps.append(app)
+        return app
+
+    yield make
+    for app in apps:
+        forget_app_settings(app)
+
+
+def test_restricted_user_runs_every_lock_operation(make_app: Any, acl_server: RedisServer) -> None:
+    app = make_app("locker")
+    entered, leave = threading.Event(), threading.Event()
+    seen: list[Any] = []
+
+    @app.task(base=SingletonTask, bind=True, shared=False, lock_args=())
+    def job(self: Any, mode: str) -> str:
+        if mode == "hold":
+            entered.set()
+            wait_until(lambda: self.lock.renewals >= 2, timeout=10)  # PEXPIRE in a script
+            leave.wait(20)
+        return mode
+
+    @app.task(
+        base=SingletonTask, bind=True, shared=False, lock_args=(), lock_on_contention=Wait(20)
+    )
+    def queued(self: Any, mode: str) -> str:
+        if mode == "hold":
+            entered.set()
+            leave.wait(20)
+        return mode
+
+    def in_thread(task: Any, mode: str) -> threading.Thread:
+        thread = threading.Thread(target=lambda: seen.append(task.apply((mode,)).get()))
+        thread.start()
+        return thread
+
+    holder = in_thread(job, "hold")
+    assert entered.wait(20)
+    assert is_skipped(job.apply(("other",)).get())  # GET and PTTL of the holder
+    [record] = LockInventory(app).locks()  # SCAN under the ACL
+    assert record.task_name == job.name
+    leave.set()
+    holder.join(20)
+    assert seen == ["hold"]
+    assert acl_server.client().exists(record.key) == 0  # released: DEL and PUBLISH
+
+    entered.clear()
+    leave.clear()
+    first = in_thread(queued, "hold")
+    assert entered.wait(20)
+    second = in_thread(queued, "second")  # waits: SUBSCRIBE to the release channel
+    channel = f"{queued.lock_key_for(('x',), {})}:released"
+    wait_until(lambda: acl_server.client().pubsub_numsub(channel)[0][1] == 1, timeout=10)
+    leave.set()
+    first.join(20)
+    second.join(20)
+    assert seen == ["hold", "hold", "second"]
+
+
+def test_a_missing_permission_is_a_clear_error(
+    make_app: Any, acl_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    cannot_set = make_app("noset")
+
+    @cannot_set.task(base=SingletonTask, shared=False)
+    def job() -> None:
+        pass
+
+    result = job.apply()
+    assert result.failed() and isinstance(result.result, LockBackendError)
+    assert "refused to acquire" in str(result.result)
+    assert "must allow EVAL/EVALSHA, GET, SET" in str(result.result)
+
+    # Without PUBLISH the lock is taken and the body runs, but the release is
+    # refused: logged with the same hint, and the key expires with its TTL.
+    cannot_publish = make_app("nopublish")
+
+    @cannot_publish.task(base=SingletonTask, bind=True, shared=False)
+    def other(self: Any) -> str:
+        return str(self.lock.key)
+
+    with caplog.at_level("ERROR", logger="celery_redislock"):
+        key = other.apply().get()
+    assert "refused to release" in caplog.text and "must allow" in caplog.text
+    wait_until(lambda: acl_server.client().exists(key) == 0, timeout=5)

@@ -38,7 +38,7 @@ logger = logging.getLogger("celery_redislock.admin")
 LIVE_GRACE = 1.0
 
 #: What ``state`` says about a lock value.
-RUNNING, QUEUED, UNKNOWN = "running", "queued", "unknown"
+HELD, QUEUED, UNKNOWN = "held", "queued", "unknown"
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,8 @@ class LockRecord:
     Attributes:
         key: The Redis key.
         value: The stored value, as is.
-        state: ``"running"`` (a worker holds it), ``"queued"`` (taken at
+        state: ``"held"`` (by a worker: running, or kept after success
+            as an idempotency window), ``"queued"`` (taken at
             enqueue time for a message not started yet) or ``"unknown"``
             (a value this package did not write).
         task_name: Task that took it, if known.
@@ -99,7 +100,7 @@ class LockRecord:
         return cls(
             key=key,
             value=value,
-            state=QUEUED if queued else RUNNING,
+            state=QUEUED if queued else HELD,
             task_name=decoded.task_name or None,
             task_id=owner.task_id or None,
             attempt=owner.attempt,
@@ -180,7 +181,7 @@ class LockInventory:
         idempotency window (``lock_hold_after_success``) longer than the TTL.
         Queued keys are renewed by nobody and are never live.
         """
-        if record.state != RUNNING or record.ttl_remaining is None:
+        if record.state != HELD or record.ttl_remaining is None:
             return False
         ttl = self.ttl_for(record)
         return ttl - record.ttl_remaining <= ttl / 3 + LIVE_GRACE

@@ -119,12 +119,7 @@ class RedisServer:
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.resume()
-            self.process.terminate()
-            try:
-                self.process.wait(5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
+            _terminate(self.process)
         self.process = None
 
     def kill(self) -> None:
@@ -197,20 +192,21 @@ class SentinelServer:
             host="127.0.0.1", port=self.port, socket_timeout=1, decode_responses=True
         )
 
-    def log(self) -> str:
-        with open(os.path.join(self.dir, "sentinel.log")) as handle:
-            return handle.read()
-
     def close(self) -> None:
         if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
+            _terminate(self.process)
         self.process = None
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _terminate(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL if it is still there after 5 s."""
+    process.terminate()
+    try:
+        process.wait(5)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(5)
 
 
 def _free_cluster_port() -> int:

@@ -62,7 +62,7 @@ def test_ls_shows_a_running_task_and_purge_keeps_it_while_it_is_renewed(
         listed = json.loads(invoke(app, "ls", "--json", "--task", "proj.long").output)
         assert [item["task_id"] for item in listed] == [running.id]
         (mine,) = listed
-        assert mine["state"] == "running" and mine["task_name"] == "proj.long"
+        assert mine["state"] == "held" and mine["task_name"] == "proj.long"
         assert mine["pid"] == os.getpid() and mine["fence"] > 0
         assert 0 < mine["ttl_remaining"] <= 1.5 and mine["age"] >= 0
         # Outlive two TTLs: the lock is still there only because it is renewed.

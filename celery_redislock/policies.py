@@ -126,6 +126,7 @@ class Skip(ContentionPolicy):
     name = "skip"
 
     def handle(self, contention: Contention) -> Any:
+        """Return the skip marker naming the key and the holder."""
         return skipped_result(contention.key, contention.task_name, contention.holder_task_id)
 
 
@@ -135,6 +136,7 @@ class Raise(ContentionPolicy):
     name = "raise"
 
     def handle(self, contention: Contention) -> Any:
+        """Raise :class:`LockContended`."""
         raise contention.error()
 
 
@@ -183,6 +185,7 @@ class Retry(ContentionPolicy):
         return base + (random.uniform(0, self.jitter) if self.jitter else 0.0)
 
     def handle(self, contention: Contention) -> Any:
+        """Re-send the task after :meth:`countdown_for`; once the budget is spent, ``then``."""
         if contention.lock_retries >= self.max_retries:
             return self.then.handle(contention)
         return contention.retry_later(self.countdown_for(contention), contention.error())
@@ -210,6 +213,7 @@ class Wait(ContentionPolicy):
         self.then = resolve_policy(then) if then is not None else Retry()
 
     def handle(self, contention: Contention) -> Any:
+        """Wait for the holder's release up to ``timeout``; then ``then`` decides."""
         if contention.wait_for_lock(self.timeout):
             return LOCK_ACQUIRED
         return self.then.handle(contention)

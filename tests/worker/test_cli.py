@@ -216,3 +216,11 @@ def test_real_celery_command(server: RedisServer, lock_client: redis.Redis) -> N
         timeout=60,
     )
     assert bad.returncode == 1 and "no lock found" in bad.stderr
+    wrong_app = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "tests.processes.nothing", "redislock", "ls"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert wrong_app.returncode == 2 and "Unable to load celery application" in wrong_app.stderr

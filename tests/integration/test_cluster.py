@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -119,3 +120,19 @@ def test_standalone_locks_on_a_cluster_client_are_renewed_and_released(
     for lock in locks:
         lock.release()
     assert client.exists("plain-name", "{tagged}:name") == 0
+
+
+def test_a_waiter_is_woken_by_the_release_over_cluster_pubsub(client: RedisCluster) -> None:
+    holder = RedisLock(client, "shared-job", ttl=30)
+    assert holder.acquire(blocking=False)
+    timer = threading.Timer(0.5, holder.release)
+    timer.start()
+    waiter = RedisLock(client, "shared-job", ttl=30)
+    started = time.monotonic()
+    try:
+        assert waiter.acquire(blocking=True, timeout=10)
+        waited = time.monotonic() - started
+    finally:
+        timer.join()
+        waiter.release()
+    assert 0.4 <= waited < 5.0, waited  # the release woke it, long before the 30 s TTL

@@ -19,7 +19,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -152,8 +152,9 @@ class _IdleConnections:
     interrupted, so no connection is put back with a reply pending. The
     connections are built from the pool's class and arguments (so AUTH, TLS
     and Sentinel resolution are the pool's), but are not counted against its
-    ``max_connections``. After a fork the parent's connections are dropped
-    unused.
+    ``max_connections``, nor closed by ``client.close()``: they close with
+    :meth:`LockBackend.close`, or when the pool is garbage-collected. After a
+    fork the parent's connections are dropped unused.
     """
 
     def __init__(self, pool: Any) -> None:
@@ -199,29 +200,37 @@ def _uses_direct_path(client: Any) -> bool:
     )
 
 
+def _on_direct_connection(client: Any, call: Callable[[Any], Any]) -> Any:
+    """Run ``call(connection)`` on an idle connection, under the client's retry policy."""
+    idle = _idle_connections(client.connection_pool)
+    connection = idle.take()
+    try:
+        return connection.retry.call_with_retry(
+            lambda: call(connection), lambda _error: connection.disconnect()
+        )
+    finally:
+        idle.give_back(connection)
+
+
 def _connect_direct(client: Any) -> None:
     """Have one connection of ``client``'s direct path open (or ping it)."""
     if not _uses_direct_path(client):
         client.ping()
         return
-    idle = _idle_connections(client.connection_pool)
-    connection = idle.take()
-    try:
-        connection.connect()
-    finally:
-        idle.give_back(connection)
+    _on_direct_connection(client, lambda connection: connection.connect())
 
 
 class _Script:
     """A Lua script addressed by SHA1, re-sent as EVAL after NOSCRIPT.
 
     Calls on a plain :class:`redis.Redis` take a direct path: the command is
-    packed here (a few byte joins) and written to a pooled connection, whose
-    reply redis-py parses. That skips redis-py's general command machinery
-    (per-argument encoding, response callbacks, observability hooks), which
-    costs more client CPU than the round trip itself on the per-task path.
-    Connection handling stays redis-py's (connect, AUTH, TLS, Sentinel
-    pools), and so do the client's retry policy and its errors. Other
+    packed here (a few byte joins) and written to one of the pool's
+    connections kept by :class:`_IdleConnections`, whose reply redis-py
+    parses. That skips redis-py's general command machinery (per-argument
+    encoding, connection checkout, response callbacks, observability hooks),
+    which cost more client CPU than the round trip itself on the per-task
+    path. Connection handling stays redis-py's (connect, AUTH, TLS, Sentinel
+    resolution), and so do the client's retry policy and its errors. Other
     clients (Redis Cluster, a single-connection client, client-side caching)
     go through ``evalsha``.
     """
@@ -237,15 +246,7 @@ class _Script:
                 return client.evalsha(self.sha, len(keys), *keys, *args)
             except NoScriptError:
                 return client.eval(self.source, len(keys), *keys, *args)
-        idle = _idle_connections(client.connection_pool)
-        connection = idle.take()
-        try:
-            return connection.retry.call_with_retry(
-                lambda: self._run_on(connection, keys, args),
-                lambda _error: connection.disconnect(),
-            )
-        finally:
-            idle.give_back(connection)
+        return _on_direct_connection(client, lambda c: self._run_on(c, keys, args))
 
     def call_then_wait(
         self, client: Any, keys: Sequence[str], args: Sequence[Any], replicas: int, timeout_ms: int
@@ -270,14 +271,7 @@ class _Script:
             return reply, int(connection.read_response())
 
         if _uses_direct_path(client):
-            idle = _idle_connections(client.connection_pool)
-            connection = idle.take()
-            try:
-                return connection.retry.call_with_retry(  # type: ignore[no-any-return]
-                    lambda: run_on(connection), lambda _error: connection.disconnect()
-                )
-            finally:
-                idle.give_back(connection)
+            return _on_direct_connection(client, run_on)  # type: ignore[no-any-return]
         if isinstance(client, redis.Redis) and client.connection is not None:
             reply = self(client, keys, args)  # a single-connection client: same connection
             if int(reply[0]) != 1:

@@ -101,7 +101,7 @@ def make_app(topology: Topology, **conf: Any) -> Celery:
 def test_locking_follows_a_failover_and_an_unreplicated_lock_is_reported_lost(
     topology: Topology, losses: list[dict[str, Any]]
 ) -> None:
-    app = make_app(topology, redislock_ttl=6.0)
+    app = make_app(topology, redislock_ttl=12.0)
     store = FencedStore(topology.replica.client(5))  # survives the failover
     started: dict[str, threading.Event] = {}
     finish = threading.Event()
@@ -170,7 +170,7 @@ def test_locking_follows_a_failover_and_an_unreplicated_lock_is_reported_lost(
         renewed_after = time.monotonic()
         wait_until(
             lambda: (
-                topology.replica.client().pttl(replicated_key) > 5000
+                topology.replica.client().pttl(replicated_key) > 9000
                 and time.monotonic() - renewed_after > 2.5
             ),
             timeout=15,

@@ -158,8 +158,7 @@ class LockInventory:
         """
         if key_or_task_id.startswith(self.prefix + ":"):
             ((value, ttl, fence),) = self.settings.backend.inspect_many([key_or_task_id])
-            if value is not None:
-                return LockRecord.parse(key_or_task_id, value, ttl, fence)
+            return None if value is None else LockRecord.parse(key_or_task_id, value, ttl, fence)
         return next((r for r in self._records() if r.task_id == key_or_task_id), None)
 
     def ttl_for(self, record: LockRecord) -> float:

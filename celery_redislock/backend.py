@@ -745,7 +745,9 @@ class LockBackend:
         return RenewOutcome(int(reply[0]))
 
     def renew_many(
-        self, items: Sequence[tuple[str, str, int]], client: redis.Redis | None = None
+        self,
+        items: Sequence[tuple[str, str, int]],
+        client: redis.Redis | RedisCluster | None = None,
     ) -> list[RenewOutcome]:
         """Renew many locks in one round trip (a pipeline of chunked scripts).
 
@@ -759,37 +761,30 @@ class LockBackend:
         if not items:
             return []
         client = client or self.renewal_client()
+        # A script may only touch keys of one slot: on a cluster, one call
+        # per slot (and chunk), all in one cluster pipeline, i.e. one round
+        # trip per node. Chunks hold indices, so outcomes keep the callers' order.
+        groups: list[list[int]] = [list(range(len(items)))]
         if isinstance(client, RedisCluster):
-            return self._renew_by_slot(client, items)
-        chunks = [items[i : i + RENEW_CHUNK_SIZE] for i in range(0, len(items), RENEW_CHUNK_SIZE)]
-        with self._errors("renew", items[0][0]):
-            if len(chunks) == 1:
-                replies = [_RENEW(client, *self._renew_args(chunks[0]))]
-            else:
-                replies = self._renew_pipelined(client, chunks)
-        return [RenewOutcome(int(status)) for reply in replies for status in reply]
-
-    def _renew_by_slot(
-        self, client: RedisCluster, items: Sequence[tuple[str, str, int]]
-    ) -> list[RenewOutcome]:
-        # A script may only touch keys of one slot: one call per slot (and
-        # chunk), all sent in one cluster pipeline, i.e. one round trip per
-        # node. Outcomes go back into the callers' order.
-        by_slot: dict[int, list[int]] = {}
-        for index, (key, _, _) in enumerate(items):
-            by_slot.setdefault(client.keyslot(key), []).append(index)  # type: ignore[no-untyped-call]
-        order = [i for indices in by_slot.values() for i in indices]
+            by_slot: dict[int, list[int]] = {}
+            for index, (key, _, _) in enumerate(items):
+                by_slot.setdefault(client.keyslot(key), []).append(index)  # type: ignore[no-untyped-call]
+            groups = list(by_slot.values())
         chunks = [
-            [items[i] for i in indices[start : start + RENEW_CHUNK_SIZE]]
-            for indices in by_slot.values()
-            for start in range(0, len(indices), RENEW_CHUNK_SIZE)
+            group[start : start + RENEW_CHUNK_SIZE]
+            for group in groups
+            for start in range(0, len(group), RENEW_CHUNK_SIZE)
         ]
+        batches = [[items[i] for i in chunk] for chunk in chunks]
         with self._errors("renew", items[0][0]):
-            replies = self._renew_pipelined(client, chunks)
-        statuses = [int(status) for reply in replies for status in reply]
-        outcomes: list[RenewOutcome] = [RenewOutcome.GONE] * len(items)
-        for position, index in enumerate(order):
-            outcomes[index] = RenewOutcome(statuses[position])
+            if len(batches) == 1:
+                replies = [_RENEW(client, *self._renew_args(batches[0]))]
+            else:
+                replies = self._renew_pipelined(client, batches)
+        outcomes = [RenewOutcome.GONE] * len(items)
+        for chunk, reply in zip(chunks, replies, strict=True):
+            for index, status in zip(chunk, reply, strict=True):
+                outcomes[index] = RenewOutcome(int(status))
         return outcomes
 
     @staticmethod
@@ -818,14 +813,8 @@ class LockBackend:
 
     def inspect(self, key: str) -> tuple[str | None, float | None]:
         """Return the raw value and remaining TTL (seconds) of ``key``."""
-        with self._errors("inspect", key):
-            pipe = self.client.pipeline(transaction=False)
-            pipe.get(key)
-            pipe.pttl(key)
-            value, pttl = pipe.execute()
-        if value is None:
-            return None, None
-        return _text(value, self.client), (pttl / 1000.0 if pttl >= 0 else None)
+        value, ttl, _ = self.inspect_many([key])[0]
+        return value, ttl
 
     def scan_keys(self, match: str, batch: int = 1000) -> Iterator[list[str]]:
         """Yield batches of keys matching the glob ``match`` (SCAN, never KEYS).

@@ -30,9 +30,9 @@ __all__ = [
     "TaskSettings",
     "app_settings",
     "validate_backend_error_mode",
+    "validate_count",
     "validate_hold",
     "validate_lost_mode",
-    "validate_replicas",
 ]
 
 logger = logging.getLogger("celery_redislock.config")
@@ -79,7 +79,7 @@ def validate_lost_mode(value: Any, where: str) -> str:
     return str(value)
 
 
-def validate_replicas(value: Any, where: str) -> int:
+def validate_count(value: Any, where: str) -> int:
     """Return ``value`` if it is an int >= 0, else raise."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ConfigurationError(f"{where} must be an int >= 0, got {value!r}")
@@ -153,11 +153,9 @@ def _read(app: Celery) -> AppSettings:
     options = _get(app, "redislock_redis_options")
     if not isinstance(options, Mapping):
         raise ConfigurationError(f"redislock_redis_options must be a dict, got {options!r}")
-    max_retries = _get(app, "redislock_backend_error_max_retries")
-    if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
-        raise ConfigurationError(
-            f"redislock_backend_error_max_retries must be an int >= 0, got {max_retries!r}"
-        )
+    max_retries = validate_count(
+        _get(app, "redislock_backend_error_max_retries"), "redislock_backend_error_max_retries"
+    )
     renew_timeout = validate_ttl(_get(app, "redislock_renew_timeout"), "redislock_renew_timeout")
     return AppSettings(
         url=url,
@@ -183,9 +181,7 @@ def _read(app: Celery) -> AppSettings:
             _get(app, "redislock_beat_on_contention"), "redislock_beat_on_contention"
         ),
         on_lost=validate_lost_mode(_get(app, "redislock_on_lost"), "redislock_on_lost"),
-        min_replicas=validate_replicas(
-            _get(app, "redislock_min_replicas"), "redislock_min_replicas"
-        ),
+        min_replicas=validate_count(_get(app, "redislock_min_replicas"), "redislock_min_replicas"),
         min_replicas_timeout=validate_ttl(
             _get(app, "redislock_min_replicas_timeout"), "redislock_min_replicas_timeout"
         ),

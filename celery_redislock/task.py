@@ -50,9 +50,9 @@ from celery_redislock.config import (
     TaskSettings,
     app_settings,
     validate_backend_error_mode,
+    validate_count,
     validate_hold,
     validate_lost_mode,
-    validate_replicas,
 )
 from celery_redislock.exceptions import AlreadyQueued, ConfigurationError, LockBackendError
 from celery_redislock.interrupt import interrupter_for_current_thread
@@ -210,7 +210,7 @@ class SingletonTaskMixin(_TaskBase):
             "lock_on_lost": validate_lost_mode,
             "lock_hold_after_success": validate_hold,
             "lock_on_backend_error": validate_backend_error_mode,
-            "lock_min_replicas": validate_replicas,
+            "lock_min_replicas": validate_count,
             "lock_min_replicas_timeout": validate_ttl,
         }
         for attribute, validate in validators.items():

@@ -534,7 +534,13 @@ def hand_off(report: Report, rounds: int, handoffs: int) -> None:
 # -- scenario 5: crash recovery ---------------------------------------------------------
 
 
-def crash_recovery(report: Report, rounds: int, cap: float, contenders: list[str]) -> None:
+def crash_recovery(
+    report: Report,
+    rounds: int,
+    cap: float,
+    contenders: list[str],
+    variants: tuple[str, ...] = ("default", "ttl60"),
+) -> None:
     broker, locks = RedisServer(), RedisServer()
     os.environ["BENCH_BROKER_URL"], os.environ["BENCH_LOCK_URL"] = broker.url, locks.url
     from bench import crash_tasks
@@ -548,7 +554,7 @@ def crash_recovery(report: Report, rounds: int, cap: float, contenders: list[str
     record = broker.client(3, decode_responses=True)
     scenario = "5. crash recovery (30 s task; seconds until a duplicate runs)"
     try:
-        for variant in ("default", "ttl60"):
+        for variant in variants:
             for contender in contenders:
                 for kill in ("pool child", "whole worker"):
                     for _round_no in range(rounds):
@@ -646,7 +652,7 @@ def main() -> int:
     args = parser.parse_args()
     only = {int(x) for x in args.only.split(",")}
     if args.smoke:
-        args.rounds, args.tasks, args.crash_rounds, args.crash_cap = 1, 40, 1, 3.0
+        args.rounds, args.tasks, args.crash_rounds, args.crash_cap = 1, 40, 1, 1.0
     available = peers_available()
     contenders = ["plain", "redislock"] + [
         name
@@ -681,7 +687,11 @@ def main() -> int:
             5,
             "crash recovery",
             lambda: crash_recovery(
-                report, args.crash_rounds, args.crash_cap, [c for c in contenders if c != "plain"]
+                report,
+                args.crash_rounds,
+                args.crash_cap,
+                [c for c in contenders if c != "plain"],
+                ("default",) if args.smoke else ("default", "ttl60"),
             ),
         ),
     ]

@@ -26,8 +26,7 @@ from celery import Celery
 
 from celery_redislock.backend import ReleaseOutcome
 from celery_redislock.config import AppSettings, TaskSettings, app_settings
-from celery_redislock.task import QUEUED_HOST
-from celery_redislock.tokens import LockValue
+from celery_redislock.tokens import QUEUED_HOST, LockValue
 
 __all__ = ["LIVE_GRACE", "LockInventory", "LockRecord"]
 

@@ -1,23 +1,26 @@
-"""The only module that talks to Redis: lock scripts, clients and their errors.
+"""Lock operations against Redis: the scripts, their outcomes, and the clients behind them.
 
-Every lock operation is one round trip: a single ``EVALSHA`` (or a pipeline
-of them for batched renewal). After ``SCRIPT FLUSH``, a restart or a
-failover the server answers ``NOSCRIPT``; the command is then re-sent once as
-``EVAL``, which also caches the script again, so the cost is one extra round
-trip per script per flush and never an error.
+Every lock operation is one round trip over :mod:`celery_redislock.transport`
+(a single ``EVALSHA``, or one pipeline of them for batched renewal). A
+backend keeps three sets of connections to its server, one per kind of
+caller, so that no two kinds ever share a socket:
+
+* ``commands``: acquire, extend, ``WAIT``, inspection; the client's
+  timeouts and retry policy;
+* ``releases``: releases from task threads (or greenlets); the renewal
+  timeout and one retry, so a frozen Redis delays a finishing task by at
+  most two short attempts;
+* ``renewals``: the renewer thread only, a native OS thread even under
+  gevent; the renewal timeout and no retry (the renewer tries again on its
+  next tick).
 """
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import enum
-import functools
-import hashlib
 import logging
 import os
 import threading
-import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -28,13 +31,25 @@ from urllib.parse import unquote, urlsplit
 import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.cluster import RedisCluster
-from redis.exceptions import ConnectionError, NoScriptError, RedisError, ResponseError, TimeoutError
+from redis.exceptions import RedisError, ResponseError
 from redis.retry import Retry
 from redis.sentinel import Sentinel
 
 from celery_redislock._clock import clock
 from celery_redislock.exceptions import LockBackendError
 from celery_redislock.tokens import LockValue
+from celery_redislock.transport import (
+    NO_RETRY,
+    ClusterTopology,
+    Endpoint,
+    Script,
+    Subscription,
+    Topology,
+    connection_factory,
+    connection_settings,
+    pack_command,
+)
+from celery_redislock.urls import mask_url
 
 __all__ = [
     "AcquireResult",
@@ -49,28 +64,36 @@ logger = logging.getLogger("celery_redislock.backend")
 
 T = TypeVar("T")
 
-# KEYS[1] - lock key
-# KEYS[2] - fence counter of this key (same hash slot: KEYS[1] .. ':fence')
-# ARGV[1] - value to store (see tokens.py)
-# ARGV[2] - time to live in milliseconds
-# ARGV[3] - a value this caller may take over ("adopt"), or ''. A worker
-#           adopts the lock its producer took at enqueue time: the queued
-#           value is replaced by the running one in the same step.
-# ARGV[4] - time to live of the fence counter in milliseconds
+# KEYS[1]    - lock key
+# KEYS[2]    - fence counter of this key (same hash slot: see fence_key)
+# ARGV[1]    - value to store (see tokens.py)
+# ARGV[2]    - time to live in milliseconds
+# ARGV[3]    - time to live of the fence counter in milliseconds
+# ARGV[4..n] - values this caller may take over: the queued value its
+#              producer stored at enqueue time, and the values of its own
+#              earlier acquires whose replies were lost (a timeout after the
+#              script had been sent). Each is replaced by ARGV[1].
 # returns {1, fence} when the lock was taken (a new fence), when the key
 #         already holds ARGV[1] (a client retry after a lost reply: still
-#         ours, TTL refreshed, same fence) or when it held ARGV[3] (same
-#         fence as the queued holder); {0, holder value, holder PTTL in ms}
-#         when someone else holds it.
+#         ours, TTL refreshed, same fence) or one of ARGV[4..n] (same fence
+#         as that holder); {0, holder value, holder PTTL in ms} otherwise.
 # The fence is max(last fence + 1, server time in microseconds): it keeps
 # increasing after a restart that lost the counter, and the counter key
 # expires, so no key is left behind for ever. Lua numbers are doubles; a
 # microsecond timestamp (~1.8e15) is exact below 2^53.
 ACQUIRE_SCRIPT = """
 local current = redis.call('GET', KEYS[1])
-local ours = current == ARGV[1] or (ARGV[3] ~= '' and current == ARGV[3])
-if current and not ours then
-    return {0, current, redis.call('PTTL', KEYS[1])}
+if current and current ~= ARGV[1] then
+    local ours = false
+    for i = 4, #ARGV do
+        if current == ARGV[i] then
+            ours = true
+            break
+        end
+    end
+    if not ours then
+        return {0, current, redis.call('PTTL', KEYS[1])}
+    end
 end
 local fence = redis.call('GET', KEYS[2])
 if not current or not fence then
@@ -78,7 +101,7 @@ if not current or not fence then
     local micros = tonumber(now[1]) * 1000000 + tonumber(now[2])
     fence = string.format('%.0f', math.max(tonumber(fence or '0') + 1, micros))
 end
-local counter_ttl = math.max(tonumber(ARGV[4]), tonumber(ARGV[2]))
+local counter_ttl = math.max(tonumber(ARGV[3]), tonumber(ARGV[2]))
 redis.call('SET', KEYS[2], fence, 'PX', counter_ttl)
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return {1, fence}
@@ -93,12 +116,17 @@ return {1, fence}
 #           (handing the lock back to a queued retry, or keeping it as an
 #           idempotency window after success)
 # ARGV[5] - time to live in milliseconds for ARGV[4]
-# returns 1 if released (or handed over), 0 if the key was already gone,
-#         -1 if another holder's value is there (it is left alone)
+# returns 1 if released or handed over (also when the key already holds
+#         ARGV[4]: a retried release whose first reply was lost), 0 if the
+#         key was already gone, -1 if another holder's value is there (it is
+#         left alone)
 RELEASE_SCRIPT = """
 local current = redis.call('GET', KEYS[1])
 if not current then
     return 0
+end
+if ARGV[4] ~= '' and current == ARGV[4] then
+    return 1
 end
 local ours
 if ARGV[2] == 'prefix' then
@@ -111,10 +139,9 @@ if not ours then
 end
 if ARGV[4] ~= '' then
     redis.call('SET', KEYS[1], ARGV[4], 'PX', ARGV[5])
-    redis.call('PUBLISH', ARGV[3], '1')  -- a waiting retry may adopt it
-    return 1
+else
+    redis.call('DEL', KEYS[1])
 end
-redis.call('DEL', KEYS[1])
 redis.call('PUBLISH', ARGV[3], '1')
 return 1
 """
@@ -142,180 +169,9 @@ end
 return result
 """
 
-
-class _IdleConnections:
-    """Connections of one pool kept for the direct path, handed out LIFO.
-
-    A pool's own checkout costs a lock and a non-blocking ``recv`` (its
-    "unread data" check) per command; this is a ``deque.pop``. The check is
-    not needed here: redis-py closes a connection whenever a send or read is
-    interrupted, so no connection is put back with a reply pending. The
-    connections are built from the pool's class and arguments (so AUTH, TLS
-    and Sentinel resolution are the pool's), but are not counted against its
-    ``max_connections``, nor closed by ``client.close()``: they close with
-    :meth:`LockBackend.close`, or when the pool is garbage-collected. After a
-    fork the parent's connections are dropped unused.
-    """
-
-    def __init__(self, pool: Any) -> None:
-        # Not the pool itself: it is the weak key this object is stored under.
-        self._new = functools.partial(pool.connection_class, **pool.connection_kwargs)
-        self._pid = os.getpid()
-        self._idle: collections.deque[Any] = collections.deque()
-
-    def take(self) -> Any:
-        if self._pid != os.getpid():
-            self._idle, self._pid = collections.deque(), os.getpid()
-        try:
-            return self._idle.pop()
-        except IndexError:
-            return self._new()
-
-    def give_back(self, connection: Any) -> None:
-        if self._pid == os.getpid():
-            self._idle.append(connection)
-
-    def close(self) -> None:
-        while self._idle:
-            self._idle.pop().disconnect()
-
-
-_IDLE: weakref.WeakKeyDictionary[Any, _IdleConnections] = weakref.WeakKeyDictionary()
-_IDLE_GUARD = threading.Lock()
-
-
-def _idle_connections(pool: Any) -> _IdleConnections:
-    idle = _IDLE.get(pool)
-    if idle is None:
-        with _IDLE_GUARD:
-            idle = _IDLE.setdefault(pool, _IdleConnections(pool))
-    return idle
-
-
-def _uses_direct_path(client: Any) -> bool:
-    return (
-        type(client) is redis.Redis
-        and client.connection is None
-        and getattr(client.connection_pool, "cache", None) is None
-    )
-
-
-def _on_direct_connection(client: Any, call: Callable[[Any], Any]) -> Any:
-    """Run ``call(connection)`` on an idle connection, under the client's retry policy."""
-    idle = _idle_connections(client.connection_pool)
-    connection = idle.take()
-    try:
-        return connection.retry.call_with_retry(
-            lambda: call(connection), lambda _error: connection.disconnect()
-        )
-    finally:
-        idle.give_back(connection)
-
-
-def _connect_direct(client: Any) -> None:
-    """Have one connection of ``client``'s direct path open (or ping it)."""
-    if not _uses_direct_path(client):
-        client.ping()
-        return
-    _on_direct_connection(client, lambda connection: connection.connect())
-
-
-class _Script:
-    """A Lua script addressed by SHA1, re-sent as EVAL after NOSCRIPT.
-
-    Calls on a plain :class:`redis.Redis` take a direct path: the command is
-    packed here (a few byte joins) and written to one of the pool's
-    connections kept by :class:`_IdleConnections`, whose reply redis-py
-    parses. That skips redis-py's general command machinery (per-argument
-    encoding, connection checkout, response callbacks, observability hooks),
-    which cost more client CPU than the round trip itself on the per-task
-    path. Connection handling stays redis-py's (connect, AUTH, TLS, Sentinel
-    resolution), and so do the client's retry policy and its errors. Other
-    clients (Redis Cluster, a single-connection client, client-side caching)
-    go through ``evalsha``.
-    """
-
-    def __init__(self, source: str) -> None:
-        self.source = source
-        self.sha = hashlib.sha1(source.encode()).hexdigest()
-        self._evalsha_head = b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n" + self.sha.encode() + b"\r\n"
-
-    def __call__(self, client: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        if not _uses_direct_path(client):
-            try:
-                return client.evalsha(self.sha, len(keys), *keys, *args)
-            except NoScriptError:
-                return client.eval(self.source, len(keys), *keys, *args)
-        return _on_direct_connection(client, lambda c: self._run_on(c, keys, args))
-
-    def call_then_wait(
-        self, client: Any, keys: Sequence[str], args: Sequence[Any], replicas: int, timeout_ms: int
-    ) -> tuple[Any, int | None]:
-        """Run the script, then ``WAIT`` on the same connection if it reports success.
-
-        Returns the script's reply and the number of replicas that
-        acknowledged (``None`` when the script did not succeed). ``WAIT``
-        counts the writes of its own connection, so it must follow the
-        script on that connection, and never inside MULTI.
-
-        Raises:
-            LockBackendError: the client cannot guarantee one connection
-                for both (Redis Cluster, client-side caching).
-        """
-
-        def run_on(connection: Any) -> tuple[Any, int | None]:
-            reply = self._run_on(connection, keys, args)
-            if int(reply[0]) != 1:
-                return reply, None
-            connection.send_command("WAIT", replicas, timeout_ms)
-            return reply, int(connection.read_response())
-
-        if _uses_direct_path(client):
-            return _on_direct_connection(client, run_on)  # type: ignore[no-any-return]
-        if isinstance(client, redis.Redis) and client.connection is not None:
-            reply = self(client, keys, args)  # a single-connection client: same connection
-            if int(reply[0]) != 1:
-                return reply, None
-            acked = client.execute_command("WAIT", replicas, timeout_ms)  # type: ignore[no-untyped-call]
-            return reply, int(acked)
-        raise LockBackendError(
-            f"lock_min_replicas needs a plain redis.Redis client, not {type(client).__name__}: "
-            "WAIT must run on the connection that took the lock"
-        )
-
-    def _run_on(self, connection: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        # connect() first, not the implicit connect of a send: a Sentinel
-        # connection resolves the current master only in connect().
-        connection.connect()
-        body = _bulk_strings((str(len(keys)), *keys, *args), connection.encoder.encoding)
-        count = len(keys) + len(args) + 3
-        connection.send_packed_command([self._evalsha_head % count + body])
-        try:
-            return connection.read_response()
-        except NoScriptError:
-            pass
-        script = _bulk_strings((self.source,), "utf-8")
-        connection.send_packed_command([b"*%d\r\n$4\r\nEVAL\r\n" % count + script + body])
-        return connection.read_response()
-
-
-def _bulk_strings(values: Sequence[Any], encoding: str) -> bytes:
-    """Encode ``values`` as RESP bulk strings (the arguments of a command)."""
-    out = []
-    for value in values:
-        if isinstance(value, str):
-            data = value.encode(encoding)
-        elif isinstance(value, (int, bytes)):
-            data = b"%d" % value if isinstance(value, int) else value
-        else:
-            raise TypeError(f"cannot send {type(value).__name__} to Redis: {value!r}")
-        out.append(b"$%d\r\n%s\r\n" % (len(data), data))
-    return b"".join(out)
-
-
-_ACQUIRE = _Script(ACQUIRE_SCRIPT)
-_RELEASE = _Script(RELEASE_SCRIPT)
-_RENEW = _Script(RENEW_SCRIPT)
+_ACQUIRE = Script(ACQUIRE_SCRIPT)
+_RELEASE = Script(RELEASE_SCRIPT)
+_RENEW = Script(RENEW_SCRIPT)
 
 #: Keys per renewal script call: bounds how long one call blocks Redis.
 RENEW_CHUNK_SIZE = 500
@@ -374,22 +230,29 @@ class AcquireResult:
     fence: int | None = None
 
     @property
+    def holder_value(self) -> LockValue | None:
+        """The holder's decoded value, when it is in this package's format."""
+        return None if self.holder is None else LockValue.decode(self.holder)
+
+    @property
     def holder_task_id(self) -> str | None:
         """Task id of the holder, when the holder is a Celery task."""
-        if self.holder is None:
-            return None
-        decoded = LockValue.decode(self.holder)
+        decoded = self.holder_value
         if decoded is None or not decoded.owner.task_id:
             return None
         return decoded.owner.task_id
 
 
-def _text(value: Any, client: Any) -> str:
+def _text(value: Any, encoding: str) -> str:
     if isinstance(value, bytes):
-        return value.decode(client.get_encoder().encoding, "replace")
+        return value.decode(encoding, "replace")
     return str(value)
 
 
+# Backends shared by every RedisLock on one client, keyed weakly by the
+# client's pool (or by the cluster client). A backend holds no strong
+# reference to that key, so dropping the client frees the backend and closes
+# its connections (it used to keep the client alive: an fd leak per client).
 _SHARED: weakref.WeakKeyDictionary[Any, LockBackend] = weakref.WeakKeyDictionary()
 _SHARED_GUARD = threading.Lock()
 
@@ -399,6 +262,14 @@ _DEFAULT_OPTIONS: Mapping[str, Any] = {
     "socket_connect_timeout": 5.0,
     "health_check_interval": 30,
 }
+
+#: The command retry policy when none is given: 2 quick retries.
+DEFAULT_RETRY_BACKOFF_CAP = 0.2
+DEFAULT_RETRIES = 2
+
+
+def _default_retry() -> Retry:
+    return Retry(ExponentialBackoff(cap=DEFAULT_RETRY_BACKOFF_CAP, base=0.01), DEFAULT_RETRIES)
 
 
 def _sentinel_master(url: str, options: Mapping[str, Any]) -> redis.Redis:
@@ -425,6 +296,17 @@ def _sentinel_master(url: str, options: Mapping[str, Any]) -> redis.Redis:
         sentinels.append((host, int(port)))
     options = dict(options)
     sentinel_kwargs = options.pop("sentinel_kwargs", None)
+    if sentinel_kwargs is None:
+        # The sentinels' clients would otherwise retry with redis-py's own
+        # backoff inside every one of our attempts (measured: 23 s to give up
+        # on two unreachable sentinels). Same timeouts as the data nodes, no
+        # retry of their own: ours is the only retry loop.
+        sentinel_kwargs = {
+            name: options[name]
+            for name in ("socket_timeout", "socket_connect_timeout")
+            if name in options
+        }
+        sentinel_kwargs["retry"] = Retry(NoBackoff(), 0)
     if parsed.username:
         options["username"] = unquote(parsed.username)
     if parsed.password:
@@ -434,20 +316,43 @@ def _sentinel_master(url: str, options: Mapping[str, Any]) -> redis.Redis:
     return master
 
 
+def _build_client(url: str, options: Mapping[str, Any]) -> redis.Redis | RedisCluster:
+    try:
+        if url.startswith("sentinel://"):
+            return _sentinel_master(url, options)
+        if url.startswith(("redis+cluster://", "rediss+cluster://")):
+            scheme, rest = url.split("://", 1)
+            base = scheme.split("+")[0]
+            return RedisCluster.from_url(f"{base}://{rest}", **options)
+        return redis.Redis.from_url(url, **options)
+    except (ValueError, TypeError) as exc:
+        detail = str(exc).replace(url, mask_url(url))
+        raise LockBackendError(f"cannot use redislock_url {mask_url(url)!r}: {detail}") from exc
+
+
+class _Kind(enum.Enum):
+    """Who uses a set of connections (see the module docstring)."""
+
+    COMMANDS = "commands"
+    RELEASES = "releases"
+    RENEWALS = "renewals"
+
+
 class LockBackend:
     """Lock operations against one Redis server (one per app setting).
 
     Args:
-        url: ``redis://`` / ``rediss://`` / ``unix://`` URL of the lock store.
-        options: Extra keyword arguments for ``redis.Redis.from_url``; they
-            override the package defaults (5 s socket timeouts, 2 quick
-            client retries).
-        renew_timeout: Socket timeout of the renewer's own connection. The
-            renewer never retries inside redis-py; it retries on its next tick
-            and counts the lock lost once its validity has run out.
-        client: Use this client instead of building one from ``url`` (for
-            the standalone lock); the renewer then builds its connection from
-            the client's connection pool settings.
+        url: ``redis://`` / ``rediss://`` / ``unix://`` / ``sentinel://`` /
+            ``redis+cluster://`` URL of the lock store.
+        options: Extra keyword arguments for the redis-py client; they
+            override the package defaults (5 s socket and connect timeouts,
+            2 quick retries). A ``retry`` given here is the command retry
+            policy.
+        renew_timeout: Socket timeout of the renewer's and the releases'
+            connections. The renewer never retries within a tick; a release
+            tries twice.
+        client: Use this client's settings instead of a URL (the standalone
+            lock). The backend keeps no reference to it.
         fence_ttl: Seconds a key's fence counter outlives its last
             acquisition (at least the lock's TTL). After that the next fence
             falls back to the server clock in microseconds, still larger.
@@ -458,7 +363,7 @@ class LockBackend:
         url: str | None = None,
         options: Mapping[str, Any] | None = None,
         renew_timeout: float = 0.5,
-        client: redis.Redis | None = None,
+        client: redis.Redis | RedisCluster | None = None,
         fence_ttl: float = 3600.0,
     ) -> None:
         if client is None and url is None:
@@ -467,110 +372,116 @@ class LockBackend:
         self.options = {**_DEFAULT_OPTIONS, **(options or {})}
         self.renew_timeout = renew_timeout
         self.fence_ttl_ms = int(fence_ttl * 1000)
-        self._client = client
-        self._client_pid = os.getpid() if client is not None else None
-        self._renew_client: redis.Redis | None = None
-        self._renew_client_pid: int | None = None
+        self._client: redis.Redis | RedisCluster | None = None
+        self._client_ref: Callable[[], Any] = lambda: None
         self._guard = threading.Lock()
+        self._client_guard = threading.Lock()
+        self._topologies: dict[_Kind, Topology] = {}
+        self._pid = os.getpid()
+        self._where = "custom client"
+        if client is not None:
+            self._client_ref = weakref.ref(client)
+            self._where = _describe_client(client)
+            self._source: Callable[[], Any] = _client_source(client)
+        else:
+            self._source = self._url_source
 
     def __repr__(self) -> str:
         return f"<LockBackend {self.describe()}>"
 
     @classmethod
-    def for_client(cls, client: redis.Redis) -> LockBackend:
+    def for_client(cls, client: redis.Redis | RedisCluster) -> LockBackend:
         """Return the backend shared by every lock on ``client``'s connection pool.
 
         Sharing it is what lets the renewer serve all of them in one round
-        trip per tick.
+        trip per tick. It lives as long as the pool does, and no longer.
         """
-        # A Redis Cluster client has no single pool: it is its own key.
-        pool = getattr(client, "connection_pool", client)
-        with _SHARED_GUARD:
-            backend = _SHARED.get(pool)
-            if backend is None:
-                backend = cls(client=client)
-                _SHARED[pool] = backend
-            return backend
+        pool = client if isinstance(client, RedisCluster) else client.connection_pool
+        backend = _SHARED.get(pool)
+        if backend is None:
+            with _SHARED_GUARD:
+                backend = _SHARED.get(pool)
+                if backend is None:
+                    backend = cls(client=client)
+                    _SHARED[pool] = backend
+        return backend
 
     def describe(self) -> str:
         """Return the server address without credentials, for messages."""
         if self.url is None:
-            return "custom client"
-        head, _, tail = self.url.rpartition("@")
-        scheme = self.url.split("://", 1)[0]
-        return f"{scheme}://{tail}" if head else self.url
+            return self._where
+        return mask_url(self.url, drop_credentials=True)
 
-    # -- clients ---------------------------------------------------------
+    # -- clients and connections ------------------------------------------
 
     @property
-    def client(self) -> redis.Redis:
-        """The command client; built lazily, and rebuilt in a forked child."""
-        if self._client is not None and (self.url is None or self._client_pid == os.getpid()):
-            return self._client
-        with self._guard:
-            if self._client is None or self._client_pid != os.getpid():
-                assert self.url is not None
-                options = dict(self.options)
-                options.setdefault("retry", Retry(ExponentialBackoff(cap=0.2, base=0.01), 2))
-                self._client = self._build(self.url, options)
-                self._client_pid = os.getpid()
-            return self._client
+    def client(self) -> redis.Redis | RedisCluster:
+        """A redis-py client of the lock store (built lazily from the URL).
+
+        The lock operations do not use its connections; it is there for
+        callers who want to look at the store with redis-py.
+        """
+        if self.url is None:
+            client = self._client_ref()
+            if client is None:
+                raise LockBackendError("the client this lock was made with has been closed")
+            return client  # type: ignore[no-any-return]
+        if self._client is None:
+            with self._client_guard:
+                if self._client is None:
+                    options = dict(self.options)
+                    options.setdefault("retry", _default_retry())
+                    self._client = _build_client(self.url, options)
+        return self._client
+
+    def _url_source(self) -> Any:
+        return _client_source(self.client)()
+
+    def _topology(self, kind: _Kind) -> Topology:
+        if self._pid != os.getpid():
+            # A forked child never uses its parent's connections.
+            self._topologies, self._pid = {}, os.getpid()
+        topology = self._topologies.get(kind)
+        if topology is None:
+            with self._guard:
+                topology = self._topologies.get(kind)
+                if topology is None:
+                    topology = self._make_topology(kind)
+                    self._topologies[kind] = topology
+        return topology
+
+    def _make_topology(self, kind: _Kind) -> Topology:
+        source = self._source()
+        overrides: dict[str, Any] = {}
+        retry: Retry
+        if kind is _Kind.COMMANDS:
+            retry = source.retry or _default_retry()
+        else:
+            overrides = {
+                "socket_timeout": self.renew_timeout,
+                "socket_connect_timeout": self.renew_timeout,
+            }
+            retry = Retry(NoBackoff(), 1) if kind is _Kind.RELEASES else NO_RETRY
+
+        def endpoint_of(connection_class: Any, kwargs: Mapping[str, Any]) -> Endpoint:
+            factory = connection_factory(connection_class, kwargs, **overrides)
+            return Endpoint(factory, retry, kwargs.get("encoding", "utf-8"))
+
+        if source.nodes_manager is not None:
+            return ClusterTopology(
+                source.nodes_manager,
+                lambda pool: endpoint_of(pool.connection_class, pool.connection_kwargs),
+            )
+        return Topology(endpoint_of(source.connection_class, source.connection_kwargs))
 
     def warm_up(self) -> None:
-        """Open the renewal connection now, so the first renewal is a single round trip."""
-        # Best effort only: the first renewal connects anyway if this fails
-        # (for instance when the app's clients were closed meanwhile).
-        with contextlib.suppress(Exception):
-            _connect_direct(self.renewal_client())
+        """Open the renewal connection now, so the first renewal is a single round trip.
 
-    def renewal_client(self) -> redis.Redis:
-        """The renewer's (and releases') client: short timeout, no redis-py retries."""
-        if self._renew_client is not None and self._renew_client_pid == os.getpid():
-            return self._renew_client
-        with self._guard:
-            options: dict[str, Any]
-            if self.url is not None:
-                options = dict(self.options)
-                url = self.url
-            elif isinstance(self._client, RedisCluster):
-                # A caller's cluster client cannot be copied with other
-                # timeouts pool by pool; the renewer shares it.
-                self._renew_client, self._renew_client_pid = self._client, os.getpid()
-                return self._client
-            else:
-                assert self._client is not None
-                pool_kwargs = dict(self._client.connection_pool.connection_kwargs)
-                options = {k: v for k, v in pool_kwargs.items() if k != "connection_class"}
-                options["connection_class"] = self._client.connection_pool.connection_class
-                url = None
-            options.update(
-                socket_timeout=self.renew_timeout,
-                socket_connect_timeout=self.renew_timeout,
-                retry=Retry(NoBackoff(), 0),
-                health_check_interval=0,
-            )
-            if url is not None:
-                client = self._build(url, options)
-            else:
-                options.pop("retry", None)
-                pool = redis.ConnectionPool(**options)
-                client = redis.Redis(connection_pool=pool, retry=Retry(NoBackoff(), 0))
-            self._renew_client = client
-            self._renew_client_pid = os.getpid()
-            return client
-
-    @staticmethod
-    def _build(url: str, options: Mapping[str, Any]) -> redis.Redis:
-        try:
-            if url.startswith("sentinel://"):
-                return _sentinel_master(url, options)
-            if url.startswith(("redis+cluster://", "rediss+cluster://")):
-                scheme, rest = url.split("://", 1)
-                base = scheme.split("+")[0]
-                return RedisCluster.from_url(f"{base}://{rest}", **options)  # type: ignore[return-value]
-            return redis.Redis.from_url(url, **options)
-        except (ValueError, TypeError) as exc:
-            raise LockBackendError(f"cannot use redislock_url {url!r}: {exc}") from exc
+        Call it only from the renewer thread, like :meth:`renew_many`.
+        """
+        topology = self._topology(_Kind.RENEWALS)
+        if type(topology) is Topology:
+            topology.endpoint.run(lambda connection: connection.connect())
 
     @contextmanager
     def _errors(self, operation: str, key: str) -> Iterator[None]:
@@ -602,40 +513,50 @@ class LockBackend:
         key: str,
         value: str,
         ttl_ms: int,
-        adopt: str = "",
+        adopt: Sequence[str] = (),
         min_replicas: int = 0,
         replicas_timeout: float = 1.0,
     ) -> AcquireResult:
-        """Take the lock if free (or already ours, or holding ``adopt``), in one round trip.
+        """Take the lock if free (or already ours, or holding a value in ``adopt``).
 
-        The result's ``sent_at`` is the :func:`clock` reading taken just
-        before the command was sent: the lease is valid from then on.
+        One round trip (two with ``min_replicas``). The result's ``sent_at``
+        is the :func:`clock` reading taken just before the command was sent:
+        the lease is valid from then on.
 
         Args:
             key: Lock key.
             value: Value to store.
             ttl_ms: Time to live in milliseconds.
-            adopt: A value this caller may take over (a queued token).
+            adopt: Values this caller may take over (see ``ACQUIRE_SCRIPT``).
             min_replicas: If > 0, a taken lock must also be acknowledged by
-                this many replicas (``WAIT``, a second round trip), or it is
-                released again and this raises.
+                this many replicas (``WAIT`` on the same connection), or it
+                is released again and this raises.
             replicas_timeout: Longest ``WAIT``, in seconds.
 
         Raises:
             LockBackendError: Redis is unreachable or refused the script, or
                 too few replicas acknowledged the lock.
+            TypeError: an argument cannot be sent to Redis.
         """
         sent_at = clock()
-        keys, args = (key, fence_key(key)), (value, ttl_ms, adopt, self.fence_ttl_ms)
+        keys, args = (key, fence_key(key)), (value, ttl_ms, self.fence_ttl_ms, *adopt)
         acked: int | None = None
+        topology = self._topology(_Kind.COMMANDS)
         with self._errors("acquire", key):
             if min_replicas > 0:
+                if isinstance(topology, ClusterTopology):
+                    raise LockBackendError(
+                        "lock_min_replicas is not available on Redis Cluster: WAIT must run on "
+                        "the connection that took the lock"
+                    )
                 timeout_ms = max(int(replicas_timeout * 1000), 1)
-                reply, acked = _ACQUIRE.call_then_wait(
-                    self.client, keys, args, min_replicas, timeout_ms
+                reply, acked = topology.run_for_key(
+                    key, lambda endpoint: _then_wait(endpoint, keys, args, min_replicas, timeout_ms)
                 )
             else:
-                reply = _ACQUIRE(self.client, keys, args)
+                reply = topology.run_for_key(
+                    key, lambda endpoint: _ACQUIRE.exchange(keys, args, endpoint.encoding)
+                )
         if acked is not None and acked < min_replicas:
             self.release(key, value)
             raise LockBackendError(
@@ -648,7 +569,7 @@ class LockBackend:
         pttl = int(reply[2])
         return AcquireResult(
             False,
-            _text(reply[1], self.client),
+            _text(reply[1], topology.endpoint_for(key).encoding),
             pttl / 1000.0 if pttl >= 0 else None,
             sent_at=sent_at,
         )
@@ -659,7 +580,7 @@ class LockBackend:
         value: str,
         ttl_ms: int,
         timeout: float,
-        adopt: str = "",
+        adopt: Sequence[str] = (),
         min_replicas: int = 0,
         replicas_timeout: float = 1.0,
     ) -> AcquireResult:
@@ -669,36 +590,24 @@ class LockBackend:
         release channel *before* trying again, so a release between the
         failed try and the subscription is never missed. Each wait is also
         capped at the holder's remaining TTL, so a lost message or a holder
-        that died costs at most that long.
-
-        Args:
-            key: Lock key.
-            value: Value to store.
-            ttl_ms: Time to live once taken.
-            timeout: Longest total wait, in seconds.
-            adopt: A value this caller may take over (see :meth:`acquire`).
-            min_replicas: See :meth:`acquire`.
-            replicas_timeout: See :meth:`acquire`.
+        that died costs at most that long. The subscription has a connection
+        of its own, closed on the way out.
 
         Raises:
             LockBackendError: Redis is unreachable (or too few replicas).
         """
-        deadline = time.monotonic() + timeout
-        with self._errors("wait for", key):
-            pubsub = self.client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call,unused-ignore]
-            try:
-                pubsub.subscribe(release_channel(key))
-                while True:
-                    result = self.acquire(key, value, ttl_ms, adopt, min_replicas, replicas_timeout)
-                    remaining = deadline - time.monotonic()
-                    if result.acquired or remaining <= 0:
-                        return result
-                    wait = remaining
-                    if result.ttl_remaining is not None:
-                        wait = min(wait, result.ttl_remaining + 0.005)
-                    pubsub.get_message(timeout=max(wait, 0.001))
-            finally:
-                pubsub.close()
+        deadline = clock() + timeout
+        endpoint = self._topology(_Kind.COMMANDS).endpoint_for(key)
+        with self._errors("wait for", key), Subscription(endpoint, release_channel(key)) as sub:
+            while True:
+                result = self.acquire(key, value, ttl_ms, adopt, min_replicas, replicas_timeout)
+                remaining = deadline - clock()
+                if result.acquired or remaining <= 0:
+                    return result
+                wait = remaining
+                if result.ttl_remaining is not None:
+                    wait = min(wait, result.ttl_remaining + 0.005)
+                sub.wait(max(wait, 0.001))
 
     def release(self, key: str, value: str, keep: str = "", keep_ms: int = 0) -> ReleaseOutcome:
         """Delete the lock if it still holds ``value`` exactly.
@@ -707,7 +616,8 @@ class LockBackend:
             key: Lock key.
             value: The holder's value.
             keep: If given, leave this value (for ``keep_ms``) instead of
-                deleting: the lock passes to whoever can adopt ``keep``.
+                deleting: the lock passes to whoever can adopt ``keep``, or
+                stays as an idempotency window.
             keep_ms: Time to live of ``keep`` in milliseconds.
         """
         return self._release(key, value, "exact", keep, keep_ms)
@@ -719,156 +629,195 @@ class LockBackend:
         return self._release(key, owner_prefix, "prefix", keep, keep_ms)
 
     def _release(self, key: str, match: str, mode: str, keep: str, keep_ms: int) -> ReleaseOutcome:
-        # Releases go over the renewer's connection (short timeout, no
-        # redis-py retries), so a frozen Redis delays a finishing task by at
-        # most two short attempts; the TTL frees the key if both fail. A
-        # second attempt also replaces a pooled connection that died with a
-        # Redis restart. Releasing twice is harmless: if the first attempt's
-        # reply was lost, "already gone" means it worked.
+        # Releases have connections of their own (short timeout, one retry),
+        # so a frozen Redis delays a finishing task by at most two short
+        # attempts; the TTL frees the key if both fail. Releasing twice is
+        # harmless: if the first attempt's reply was lost, "already gone"
+        # means it worked.
         args = (match, mode, release_channel(key), keep, max(keep_ms, 1))
-        retried = False
+        attempts = 0
+
+        def make(endpoint: Endpoint) -> Callable[[Any], Any]:
+            run_script = _RELEASE.exchange((key,), args, endpoint.encoding)
+
+            def counted(connection: Any) -> Any:
+                nonlocal attempts
+                attempts += 1
+                return run_script(connection)
+
+            return counted
+
         with self._errors("release", key):
-            try:
-                reply = _RELEASE(self.renewal_client(), (key,), args)
-            except (ConnectionError, TimeoutError):
-                retried = True
-                reply = _RELEASE(self.renewal_client(), (key,), args)
+            reply = self._topology(_Kind.RELEASES).run_for_key(key, make)
         outcome = ReleaseOutcome(int(reply))
-        if retried and outcome is ReleaseOutcome.ALREADY_GONE:
+        if attempts > 1 and outcome is ReleaseOutcome.ALREADY_GONE:
             return ReleaseOutcome.RELEASED
         return outcome
 
     def extend(self, key: str, value: str, ttl_ms: int) -> RenewOutcome:
         """Reset the lock's TTL to ``ttl_ms`` if it still holds ``value``."""
         with self._errors("extend", key):
-            reply = _RENEW(self.client, (key,), (value, ttl_ms))
+            reply = self._topology(_Kind.COMMANDS).run_for_key(
+                key, lambda endpoint: _RENEW.exchange((key,), (value, ttl_ms), endpoint.encoding)
+            )
         return RenewOutcome(int(reply[0]))
 
-    def renew_many(
-        self,
-        items: Sequence[tuple[str, str, int]],
-        client: redis.Redis | RedisCluster | None = None,
-    ) -> list[RenewOutcome]:
-        """Renew many locks in one round trip (a pipeline of chunked scripts).
+    def renew_many(self, items: Sequence[tuple[str, str, int]]) -> list[RenewOutcome]:
+        """Renew many locks: one pipelined round trip per node.
+
+        Call it only from the renewer thread: its connections belong to that
+        thread (under gevent, a greenlet must never touch them).
 
         Args:
             items: ``(key, value, ttl_ms)`` for each lock.
-            client: Client to use; defaults to :meth:`renewal_client`.
 
         Raises:
-            LockBackendError: the round trip failed; no outcome is known.
+            LockBackendError: a round trip failed; no outcome is known.
         """
         if not items:
             return []
-        client = client or self.renewal_client()
-        # A script may only touch keys of one slot: on a cluster, one call
-        # per slot (and chunk), all in one cluster pipeline, i.e. one round
-        # trip per node. Chunks hold indices, so outcomes keep the callers' order.
-        groups: list[list[int]] = [list(range(len(items)))]
-        if isinstance(client, RedisCluster):
-            by_slot: dict[int, list[int]] = {}
-            for index, (key, _, _) in enumerate(items):
-                by_slot.setdefault(client.keyslot(key), []).append(index)  # type: ignore[no-untyped-call]
-            groups = list(by_slot.values())
-        chunks = [
-            group[start : start + RENEW_CHUNK_SIZE]
-            for group in groups
-            for start in range(0, len(group), RENEW_CHUNK_SIZE)
-        ]
-        batches = [[items[i] for i in chunk] for chunk in chunks]
-        with self._errors("renew", items[0][0]):
-            if len(batches) == 1:
-                replies = [_RENEW(client, *self._renew_args(batches[0]))]
-            else:
-                replies = self._renew_pipelined(client, batches)
+        topology = self._topology(_Kind.RENEWALS)
         outcomes = [RenewOutcome.GONE] * len(items)
-        for chunk, reply in zip(chunks, replies, strict=True):
-            for index, status in zip(chunk, reply, strict=True):
-                outcomes[index] = RenewOutcome(int(status))
+        by_endpoint: dict[int, tuple[Endpoint, list[list[int]]]] = {}
+        # A script may only touch keys of one slot: the topology groups by
+        # slot; chunks hold indices, so outcomes keep the callers' order.
+        for endpoint, indices in topology.group([key for key, _, _ in items]):
+            chunks = by_endpoint.setdefault(id(endpoint), (endpoint, []))[1]
+            for start in range(0, len(indices), RENEW_CHUNK_SIZE):
+                chunks.append(indices[start : start + RENEW_CHUNK_SIZE])
+        with self._errors("renew", items[0][0]):
+            for endpoint, chunks in by_endpoint.values():
+                calls = [_renew_call([items[i] for i in chunk]) for chunk in chunks]
+                replies = _RENEW.many(endpoint, calls)
+                for chunk, reply in zip(chunks, replies, strict=True):
+                    for index, status in zip(chunk, reply, strict=True):
+                        outcomes[index] = RenewOutcome(int(status))
         return outcomes
-
-    @staticmethod
-    def _renew_args(chunk: Sequence[tuple[str, str, int]]) -> tuple[list[str], list[Any]]:
-        keys = [key for key, _, _ in chunk]
-        args: list[Any] = [value for _, value, _ in chunk] + [ttl for _, _, ttl in chunk]
-        return keys, args
-
-    def _renew_pipelined(
-        self, client: redis.Redis | RedisCluster, chunks: Sequence[Sequence[tuple[str, str, int]]]
-    ) -> list[Any]:
-        # Plain evalsha in a non-transactional pipeline: redis-py's Script
-        # objects would add a SCRIPT EXISTS round trip to every execute().
-        pipe = client.pipeline(transaction=False)
-        prepared = [self._renew_args(chunk) for chunk in chunks]
-        for keys, args in prepared:
-            pipe.execute_command("EVALSHA", _RENEW.sha, len(keys), *keys, *args)
-        replies = pipe.execute(raise_on_error=False)
-        for index, reply in enumerate(replies):
-            if isinstance(reply, NoScriptError):
-                keys, args = prepared[index]
-                replies[index] = client.eval(_RENEW.source, len(keys), *keys, *args)
-            elif isinstance(reply, Exception):
-                raise reply
-        return list(replies)
 
     def inspect(self, key: str) -> tuple[str | None, float | None]:
         """Return the raw value and remaining TTL (seconds) of ``key``."""
         value, ttl, _ = self.inspect_many([key])[0]
         return value, ttl
 
+    def inspect_many(
+        self, keys: Sequence[str]
+    ) -> list[tuple[str | None, float | None, int | None]]:
+        """Return ``(value, remaining TTL in s, last fence)`` for each key.
+
+        One pipelined round trip per node.
+        """
+        out: list[tuple[str | None, float | None, int | None]] = [(None, None, None)] * len(keys)
+        if not keys:
+            return out
+        topology = self._topology(_Kind.COMMANDS)
+        with self._errors("inspect", keys[0]):
+            for endpoint, indices in topology.group(keys):
+                commands: list[tuple[str, str]] = []
+                for index in indices:
+                    key = keys[index]
+                    commands += [("GET", key), ("PTTL", key), ("GET", fence_key(key))]
+                replies = endpoint.pipeline(commands)
+                for error in replies:
+                    if isinstance(error, ResponseError):
+                        raise error
+                for position, index in enumerate(indices):
+                    value, pttl, fence = replies[position * 3 : position * 3 + 3]
+                    out[index] = (
+                        None if value is None else _text(value, endpoint.encoding),
+                        pttl / 1000.0 if value is not None and pttl >= 0 else None,
+                        int(fence) if fence is not None else None,
+                    )
+        return out
+
     def scan_keys(self, match: str, batch: int = 1000) -> Iterator[list[str]]:
-        """Yield batches of keys matching the glob ``match`` (SCAN, never KEYS).
+        """Yield batches of keys matching the glob ``match`` (SCAN, never KEYS), on every primary.
 
         Fence counters (``...:fence``) are left out. SCAN may return a key
         twice while the keyspace is being resized; callers deduplicate.
         """
         with self._errors("list", match):
-            keys: list[str] = []
-            # scan_iter walks every node of a Redis Cluster too.
-            for found in self.client.scan_iter(match=match, count=batch):
-                key = found.decode() if isinstance(found, bytes) else str(found)
-                if not key.endswith(":fence"):
-                    keys.append(key)
-                if len(keys) >= batch:
-                    yield keys
-                    keys = []
-            if keys:
-                yield keys
-
-    def inspect_many(
-        self, keys: Sequence[str]
-    ) -> list[tuple[str | None, float | None, int | None]]:
-        """Return ``(value, remaining TTL in s, last fence)`` for each key, in one round trip."""
-        if not keys:
-            return []
-        with self._errors("inspect", keys[0]):
-            pipe = self.client.pipeline(transaction=False)
-            for key in keys:
-                pipe.get(key)
-                pipe.pttl(key)
-                pipe.get(fence_key(key))
-            replies = pipe.execute()
-        out: list[tuple[str | None, float | None, int | None]] = []
-        for index in range(0, len(replies), 3):
-            value, pttl, fence = replies[index : index + 3]
-            out.append(
-                (
-                    None if value is None else _text(value, self.client),
-                    pttl / 1000.0 if value is not None and pttl >= 0 else None,
-                    int(fence) if fence is not None else None,
-                )
-            )
-        return out
+            for endpoint in self._topology(_Kind.COMMANDS).primaries():
+                cursor = b"0"
+                while True:
+                    cursor, found = endpoint.call("SCAN", cursor, "MATCH", match, "COUNT", batch)
+                    keys = [_text(key, endpoint.encoding) for key in found]
+                    keys = [key for key in keys if not key.endswith(":fence")]
+                    if keys:
+                        yield keys
+                    if cursor in (b"0", 0, "0"):
+                        break
 
     def close(self) -> None:
-        """Disconnect this process's clients."""
-        for client in (self._client, self._renew_client):
-            if client is not None and self.url is not None:
-                pool = getattr(client, "connection_pool", None)
-                idle = _IDLE.get(pool) if pool is not None else None
-                if idle is not None:
-                    idle.close()
-                client.close()
-        if self.url is not None:
+        """Disconnect this process's idle connections (and the URL-built client)."""
+        with self._guard:
+            topologies, self._topologies = self._topologies, {}
+        for topology in topologies.values():
+            topology.close()
+        if self.url is not None and self._client is not None:
+            self._client.close()
             self._client = None
-        self._renew_client = None
+
+
+@dataclass(frozen=True)
+class _Source:
+    """What the transport needs of a redis-py client, without a reference to it.
+
+    For one server: the pool's connection class and settings (copied); for
+    a cluster: redis-py's slot map. Holding neither the client nor its pool
+    is what lets a dropped client be freed at once, with its connections.
+    """
+
+    connection_class: type | None
+    connection_kwargs: Mapping[str, Any]
+    nodes_manager: Any
+    retry: Retry | None
+
+
+def _client_source(client: redis.Redis | RedisCluster) -> Callable[[], _Source]:
+    if isinstance(client, RedisCluster):
+        source = _Source(None, {}, client.nodes_manager, getattr(client, "retry", None))
+    else:
+        pool = client.connection_pool
+        kwargs = connection_settings(pool.connection_kwargs)
+        source = _Source(pool.connection_class, kwargs, None, kwargs.get("retry"))
+    return lambda: source
+
+
+def _describe_client(client: redis.Redis | RedisCluster) -> str:
+    if isinstance(client, RedisCluster):
+        return "Redis Cluster client"
+    kwargs = client.connection_pool.connection_kwargs
+    if "path" in kwargs:
+        return f"unix://{kwargs['path']}"
+    return f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}"
+
+
+def _renew_call(chunk: Sequence[tuple[str, str, int]]) -> tuple[list[str], list[Any]]:
+    keys = [key for key, _, _ in chunk]
+    args: list[Any] = [value for _, value, _ in chunk] + [ttl for _, _, ttl in chunk]
+    return keys, args
+
+
+def _then_wait(
+    endpoint: Endpoint,
+    keys: Sequence[str],
+    args: Sequence[Any],
+    replicas: int,
+    timeout_ms: int,
+) -> Callable[[Any], tuple[Any, int | None]]:
+    """An exchange: the acquire script, then ``WAIT`` on the same connection if it succeeded.
+
+    ``WAIT`` counts the writes of its own connection, so it must follow the
+    script on that connection, and never inside MULTI.
+    """
+    acquire = _ACQUIRE.exchange(keys, args, endpoint.encoding)
+    wait = pack_command(("WAIT", replicas, timeout_ms), endpoint.encoding)
+
+    def run(connection: Any) -> tuple[Any, int | None]:
+        reply = acquire(connection)
+        if int(reply[0]) != 1:
+            return reply, None
+        connection.send_packed_command([wait])
+        return reply, int(connection.read_response())
+
+    return run

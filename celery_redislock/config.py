@@ -23,6 +23,7 @@ from celery_redislock.backend import LockBackend
 from celery_redislock.exceptions import ConfigurationError
 from celery_redislock.lock import validate_ttl
 from celery_redislock.policies import ContentionPolicy, resolve_policy
+from celery_redislock.urls import mask_url
 
 __all__ = [
     "DEFAULTS",
@@ -141,7 +142,8 @@ def _resolve_url(app: Celery) -> str:
             "or CELERY_REDISLOCK_URL with the CELERY namespace) and the broker is not Redis"
         )
     if not isinstance(url, str) or "://" not in url:
-        raise ConfigurationError(f"redislock_url must be a redis:// URL, got {url!r}")
+        shown = mask_url(url) if isinstance(url, str) else url
+        raise ConfigurationError(f"redislock_url must be a redis:// URL, got {shown!r}")
     return url
 
 

@@ -27,7 +27,7 @@ from celery_redislock.exceptions import LockLost
 if TYPE_CHECKING:
     from celery_redislock.lock import LockHandle
 
-__all__ = ["ABORT_SIGNAL", "interrupter_for_current_thread"]
+__all__ = ["ABORT_SIGNAL", "interrupter_for_current_thread", "withdraw_abort"]
 
 logger = logging.getLogger("celery_redislock.interrupt")
 
@@ -41,7 +41,7 @@ _installed = False
 
 def _raise_if_lost(signum: int, frame: FrameType | None) -> None:
     handle = _pending.pop(threading.get_ident(), None)
-    if handle is not None and not handle.released:
+    if handle is not None and not handle.finished:
         raise LockLost(handle.key, f"{handle.lost_reason}; execution aborted")
 
 
@@ -54,7 +54,13 @@ def _green() -> bool:
 
 
 def interrupter_for_current_thread() -> Callable[[LockHandle], None] | None:
-    """Return a callback that aborts the calling thread, or None where impossible."""
+    """Return a callback that aborts the calling thread, or None where impossible.
+
+    The callback runs in the renewer thread. It sends the abort under the
+    handle's ``abort_guard`` and only while the execution has not finished
+    (:meth:`LockHandle.finish` takes the same guard), so an abort can never
+    reach code after the execution that asked for it.
+    """
     global _installed
     if _green():
         logger.warning("lock_on_lost='abort' is not supported under gevent; reporting only")
@@ -66,31 +72,32 @@ def interrupter_for_current_thread() -> Callable[[LockHandle], None] | None:
             _installed = True
 
         def by_signal(handle: LockHandle) -> None:
-            if not handle.released:
-                _pending[ident] = handle
-                signal.pthread_kill(ident, ABORT_SIGNAL)
+            with handle.abort_guard:
+                if not handle.finished:
+                    _pending[ident] = handle
+                    signal.pthread_kill(ident, ABORT_SIGNAL)
 
         return by_signal
 
     def by_async_exception(handle: LockHandle) -> None:
-        if not handle.released:
-            handle.abort_sent_to = ident
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(
-                ctypes.c_ulong(ident), ctypes.py_object(LockLost)
-            )
+        with handle.abort_guard:
+            if not handle.finished:
+                handle.abort_sent_to = ident
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                    ctypes.c_ulong(ident), ctypes.py_object(LockLost)
+                )
 
     return by_async_exception
 
 
-def abort_pending() -> bool:
-    """True if a signal-delivered abort is waiting for some thread."""
-    return bool(_pending)
+def withdraw_abort(handle: LockHandle) -> None:
+    """Withdraw an abort sent to the calling thread and not yet delivered.
 
-
-def cancel_pending_abort(handle: LockHandle) -> None:
-    """Withdraw an abort not yet delivered (the execution ended first)."""
-    if _pending.get(threading.get_ident()) is handle:
-        _pending.pop(threading.get_ident(), None)
-    ident = getattr(handle, "abort_sent_to", None)
-    if ident is not None and ident == threading.get_ident():
+    Called by :meth:`LockHandle.finish` under the handle's ``abort_guard``.
+    """
+    ident = threading.get_ident()
+    if _pending.get(ident) is handle:
+        _pending.pop(ident, None)
+    if handle.abort_sent_to == ident:
+        handle.abort_sent_to = None
         ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), None)

@@ -44,8 +44,9 @@ __all__ = [
 ]
 
 #: Bumped whenever the encoding changes, so old and new workers never share
-#: a key by accident during a rolling upgrade.
-KEY_FORMAT_VERSION = 1
+#: a key by accident during a rolling upgrade. 2: float subclasses encode as
+#: plain floats; non-finite float mapping keys are spelled as JSON spells them.
+KEY_FORMAT_VERSION = 2
 
 _MAX_DEPTH = 64
 
@@ -106,7 +107,12 @@ def _encode(value: Any, out: list[bytes], depth: int, path: str) -> None:
             _encode(item, out, depth + 1, f"{path}[{index}]")
         out.append(b"]")
     elif isinstance(value, (set, frozenset)):
-        items = sorted(canonical_encoding(item) for item in value)
+        items = []
+        for item in value:
+            encoded: list[bytes] = []
+            _encode(item, encoded, depth + 1, f"{path} item")
+            items.append(b"".join(encoded))
+        items.sort()
         out.append(b"<" + str(len(items)).encode() + b":" + b"".join(items) + b">")
     else:
         raise LockKeyError(
@@ -120,8 +126,19 @@ def _encode(value: Any, out: list[bytes], depth: int, path: str) -> None:
 def _float_text(value: float) -> str:
     if math.isnan(value):
         return "nan"
-    # repr is the shortest text that round-trips, and JSON keeps it exactly.
-    return repr(value)
+    # float's own repr, not the value's: a subclass (NumPy's float64) may
+    # print itself differently, and reaches the worker as a plain float.
+    # It is the shortest text that round-trips, and JSON keeps it exactly.
+    return float.__repr__(value)
+
+
+def _json_float_key(value: float) -> str:
+    # What json.dumps writes for a float mapping key.
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "Infinity" if value > 0 else "-Infinity"
+    return float.__repr__(value)
 
 
 def _mapping_key_text(key: Any, path: str) -> str:
@@ -138,7 +155,7 @@ def _mapping_key_text(key: Any, path: str) -> str:
     if isinstance(key, int):
         return str(int(key))
     if isinstance(key, float):
-        return _float_text(key)
+        return _json_float_key(key)
     raise LockKeyError(
         f"{path} has a mapping key of type {type(key).__qualname__}; only str, int, float, "
         "bool and None keys survive a JSON round trip"

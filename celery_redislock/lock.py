@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -13,12 +14,17 @@ import redis
 from celery_redislock import signals
 from celery_redislock._clock import clock
 from celery_redislock.backend import AcquireResult, LockBackend, ReleaseOutcome, RenewOutcome
-from celery_redislock.exceptions import ConfigurationError, LockContended, LockNotOwned
-from celery_redislock.interrupt import abort_pending, cancel_pending_abort
-from celery_redislock.renewal import renewer
+from celery_redislock.exceptions import (
+    ConfigurationError,
+    LockBackendError,
+    LockContended,
+    LockNotOwned,
+)
+from celery_redislock.interrupt import withdraw_abort
+from celery_redislock.renewal import native_lock, renewer
 from celery_redislock.tokens import LockOwner, LockValue
 
-__all__ = ["LockHandle", "RedisLock", "validate_ttl"]
+__all__ = ["LockHandle", "RedisLock", "release_completely", "validate_ttl"]
 
 logger = logging.getLogger("celery_redislock.lock")
 
@@ -90,14 +96,32 @@ class LockHandle:
         self.renew_at = granted_at + self.renew_period
         self.valid_until = self._validity_from(granted_at)
         self.lost_reason: str | None = None
+        #: True once the holder started to release (renewal and aborts stop).
         self.released = False
+        #: True once the execution holding it has ended: no abort may reach it.
+        self.finished = False
+        #: Taken by whoever sends an abort and by :meth:`finish`, so an abort
+        #: is either sent before the execution ends, or never.
+        self.abort_guard = native_lock()
         #: Thread an asynchronous abort was sent to (lock_on_lost="abort").
         self.abort_sent_to: int | None = None
         self.renewals = 0
+        self._release_done = False
         self._pid = os.getpid()
         self._renewing = False
         self._on_lost: list[Callable[[LockHandle], None]] = []
         if renew:
+            self.start_renewal()
+
+    def start_renewal(self) -> None:
+        """Hand the lock to the process's renewer.
+
+        Callers that must never leave a renewed lock behind construct the
+        handle with ``renew=False``, store it where their cleanup will find
+        it, and only then call this: an exception landing in between leaves
+        nothing registered.
+        """
+        if not self._renewing and not self.released:
             self._renewing = True
             renewer().register(self)
 
@@ -198,17 +222,30 @@ class LockHandle:
         self._mark_lost("gone" if outcome is RenewOutcome.GONE else "stolen")
         raise LockNotOwned(self.key, f"it is {self.lost_reason}")
 
+    def finish(self) -> None:
+        """Mark the execution that holds this lock as ended; withdraw an undelivered abort.
+
+        After this returns, no :class:`LockLost` can be raised for this lock:
+        the renewer sends an abort only under :attr:`abort_guard` and only
+        before ``finished`` is set. Call it from the thread that holds the lock.
+        """
+        with self.abort_guard:
+            self.finished = True
+            withdraw_abort(self)
+
     def release(self, keep: str | None = None, keep_for: float = 0.0) -> ReleaseOutcome | None:
-        """Release the lock; never raises.
+        """Release the lock; never raises a Redis error.
 
         The handle leaves the renewer *before* the release is sent, so a
-        renewal can never outlive it. Calling it twice is harmless.
+        renewal can never outlive it. Calling it again after it completed is
+        harmless; calling it again after an exception interrupted it (a soft
+        time limit, an abort, ``KeyboardInterrupt``) sends the release again.
 
         Args:
             keep: Instead of deleting the key, leave this value in it for
-                ``keep_for`` seconds: pass :attr:`value` to keep the lock as an
-                idempotency window, or a queued retry's value to hand the lock
-                over to that retry. Waiters are not woken then.
+                ``keep_for`` seconds: an idempotency window (a kept value,
+                see ``tokens.py``) or a queued retry's value (the lock is
+                handed over to that retry).
             keep_for: Seconds to keep ``keep``.
 
         Returns:
@@ -216,7 +253,7 @@ class LockHandle:
             released, another process, or Redis unreachable: the TTL then
             frees the lock).
         """
-        if self.released:
+        if self._release_done:
             return None
         if self._pid != os.getpid():
             logger.warning(
@@ -226,11 +263,11 @@ class LockHandle:
                 self._pid,
             )
             return None
+        self.finish()
         self.released = True
         if self._renewing:
             renewer().unregister(self)
-        if self.abort_sent_to is not None or abort_pending():
-            cancel_pending_abort(self)
+            self._renewing = False
         try:
             if keep is None:
                 outcome = self.backend.release(self.key, self.value)
@@ -238,7 +275,8 @@ class LockHandle:
                 outcome = self.backend.release(
                     self.key, self.value, keep, max(int(keep_for * 1000), 1)
                 )
-        except Exception as exc:
+        except LockBackendError as exc:
+            self._release_done = True
             logger.error(
                 "could not release lock %s of %s[%s]; it expires within %.1fs: %s",
                 self.key,
@@ -248,6 +286,7 @@ class LockHandle:
                 exc,
             )
             return None
+        self._release_done = True
         if outcome is ReleaseOutcome.NOT_OURS:
             logger.warning(
                 "lock %s of %s[%s] was no longer ours at release (held %.3fs); "
@@ -276,6 +315,21 @@ class LockHandle:
             else outcome.name.lower(),
         )
         return outcome
+
+
+def release_completely(release: Callable[[], Any]) -> None:
+    """Run a resumable release to its end even if one exception interrupts it.
+
+    A soft time limit, an abort or a SIGTERM-born ``SystemExit`` can land in
+    the middle of a release (each fires once). The release is then sent
+    again, and the interruption re-raised once it is done: it is deferred,
+    never swallowed.
+    """
+    try:
+        release()
+    except BaseException:
+        release()
+        raise
 
 
 class RedisLock:
@@ -318,6 +372,7 @@ class RedisLock:
         self.renew = renew
         self.blocking = blocking
         self.timeout = timeout
+        self.client = client
         self.backend = LockBackend.for_client(client)
         self.handle: LockHandle | None = None
         self._last_contention = AcquireResult(False)
@@ -363,33 +418,51 @@ class RedisLock:
         value = LockValue.new(LockOwner.current(None, 0, None), self.name).encode()
         ttl_ms = max(int(self.ttl * 1000), 1)
         started = clock()
-        if not blocking:
-            result = self.backend.acquire(self.name, value, ttl_ms)
-        else:
-            result = self._acquire_blocking(value, ttl_ms, timeout)
-        if not result.acquired:
-            self._contended(result)
-            return False
-        self.handle = LockHandle(
-            self.backend,
-            self.name,
-            value,
-            self.ttl,
-            result.sent_at,
-            task_name=self.name,
-            task_id=None,
-            sender=self,
-            renew=self.renew,
-            fence=result.fence,
-        )
-        signals.lock_acquired.send(
-            sender=self,
-            key=self.name,
-            task_name=self.name,
-            task_id=None,
-            waited=clock() - started,
-            fence=result.fence,
-        )
+        handle: LockHandle | None = None
+        try:
+            if not blocking:
+                result = self.backend.acquire(self.name, value, ttl_ms)
+            else:
+                result = self._acquire_blocking(value, ttl_ms, timeout)
+            if not result.acquired:
+                self._contended(result)
+                return False
+            handle = self.handle = LockHandle(
+                self.backend,
+                self.name,
+                value,
+                self.ttl,
+                result.sent_at,
+                task_name=self.name,
+                task_id=None,
+                sender=self,
+                renew=False,
+                fence=result.fence,
+            )
+            if self.renew:
+                handle.start_renewal()
+            signals.lock_acquired.send(
+                sender=self,
+                key=self.name,
+                task_name=self.name,
+                task_id=None,
+                waited=clock() - started,
+                fence=result.fence,
+            )
+        except LockBackendError:
+            raise  # Redis is unreachable: a compare-and-delete could not get through either
+        except BaseException:
+            # Interrupted with the outcome unknown (between sending the
+            # acquire and reading its reply, or before returning): our value
+            # may be in Redis, and the caller will not release what acquire()
+            # did not report. Take it back out, then re-raise.
+            self.handle = None
+            if handle is not None:
+                release_completely(handle.release)
+            else:
+                with contextlib.suppress(LockBackendError):
+                    release_completely(lambda: self.backend.release(self.name, value))
+            raise
         return True
 
     def _acquire_blocking(self, value: str, ttl_ms: int, timeout: float | None) -> AcquireResult:
@@ -415,11 +488,22 @@ class RedisLock:
         self._last_contention = result
 
     def release(self) -> ReleaseOutcome | None:
-        """Release the lock if held; never raises. See :meth:`LockHandle.release`."""
-        if self.handle is None:
+        """Release the lock if held; never raises a Redis error. See :meth:`LockHandle.release`.
+
+        If an exception interrupts it, the release is completed first and the
+        exception re-raised.
+        """
+        handle = self.handle
+        if handle is None:
             return None
-        handle, self.handle = self.handle, None
-        return handle.release()
+        try:
+            outcome = handle.release()
+        except BaseException:
+            handle.release()  # once more, then re-raise: deferred, not lost
+            raise
+        if self.handle is handle:
+            self.handle = None
+        return outcome
 
     def extend(self, ttl: float | None = None) -> None:
         """Reset the TTL now. See :meth:`LockHandle.extend`.
@@ -438,7 +522,11 @@ class RedisLock:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self.release()
+        try:
+            self.release()
+        except BaseException:
+            self.release()
+            raise
 
     def __call__(self, function: F) -> F:
         """Use the lock as a decorator: each call runs while holding it.
@@ -450,7 +538,7 @@ class RedisLock:
         @functools.wraps(function)
         def locked(*args: Any, **kwargs: Any) -> Any:
             lock = RedisLock(
-                self.backend.client,
+                self.client,
                 self.name,
                 self.ttl,
                 self.renew,

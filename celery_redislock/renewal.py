@@ -10,6 +10,13 @@ native OS thread even under gevent monkey-patching (a greenlet would starve
 behind CPU-bound tasks), and is never inherited by a forked child: after a
 fork the child starts with an empty registry, so it never renews its
 parent's locks.
+
+The registry holds the handles weakly. A lock is released from a
+``finally`` (or ``__exit__``); an exception landing on the very first
+instruction of that code cannot be caught by any Python code, and would
+otherwise leave the lock renewed for as long as the process lives. Once
+nothing can reach the handle any more, it is no longer renewed and expires
+within its TTL.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import contextlib
 import importlib
 import logging
 import os
+import weakref
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +36,7 @@ from celery_redislock.exceptions import LockBackendError
 if TYPE_CHECKING:
     from celery_redislock.lock import LockHandle
 
-__all__ = ["Renewer", "renewer"]
+__all__ = ["Renewer", "native_lock", "renewer"]
 
 logger = logging.getLogger("celery_redislock.renewal")
 
@@ -48,6 +56,11 @@ def _native(module: str, name: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
+def native_lock() -> Any:
+    """A lock of the OS thread library, never a gevent one (it is taken across threads)."""
+    return _native("_thread", "allocate_lock")()
+
+
 class Renewer:
     """Keeps registered :class:`LockHandle` objects alive from one thread."""
 
@@ -60,7 +73,7 @@ class Renewer:
         # An auto-reset event: released to wake the thread, re-acquired by it.
         self._wake = allocate_lock()
         self._wake.acquire()
-        self._handles: dict[int, LockHandle] = {}
+        self._handles: weakref.WeakValueDictionary[int, LockHandle] = weakref.WeakValueDictionary()
         self._pid = os.getpid()
         self._running = False
         # When the thread will wake next (clock time), and how long it sleeps
@@ -70,8 +83,8 @@ class Renewer:
         self._wake_at = float("-inf")
         self._idle_sleep = _IDLE_WAKE
         # Backends whose renewal connection this process has opened (or
-        # queued for the thread to open).
-        self._warm: set[int] = set()
+        # queued for the thread to open); weak, so it keeps none alive.
+        self._warm: weakref.WeakSet[LockBackend] = weakref.WeakSet()
         self._to_warm: list[LockBackend] = []
         #: Clock reading of the last loop iteration (a liveness heartbeat).
         self.heartbeat: float | None = None
@@ -98,9 +111,9 @@ class Renewer:
         with self._mutex:
             self._handles[id(handle)] = handle
             self._idle_sleep = min(self._idle_sleep, handle.renew_period / 2)
-            cold = id(handle.backend) not in self._warm
+            cold = handle.backend not in self._warm
             if cold:
-                self._warm.add(id(handle.backend))
+                self._warm.add(handle.backend)
                 self._to_warm.append(handle.backend)
             wake = cold or handle.renew_at < self._wake_at
             self._ensure_running()

@@ -9,9 +9,10 @@
   limit's SIGTERM raise in a pool child. It runs before Celery stores the
   result, so ``result.get()`` returning means the lock is free.
 * :class:`SingletonRequest` runs in the worker's parent process. When a pool
-  child dies holding a lock (SIGKILL, OOM, the SIGKILL that follows a hard
-  time limit), the parent releases it by owner prefix (task id, attempt,
-  node, pid: see ``tokens.py``), which can never match a later attempt.
+  child dies holding a lock (SIGKILL, OOM, a hard time limit, revoke with
+  ``terminate``), the parent releases it by owner prefix (task id, attempt,
+  node, pid: see ``tokens.py``), which can never match a later attempt, and
+  only once the child has exited.
 * A whole worker killed at once is covered by the TTL (30 s by default),
   which renewal keeps alive only while the holder's process lives.
 
@@ -21,26 +22,32 @@ no lock; ``task.apply()`` and ``task_always_eager`` do lock.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
+import os
 import random
+import signal as signals_module
+import time
 from collections.abc import Callable, Sequence
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 from billiard.exceptions import (
-    SoftTimeLimitExceeded,
     Terminated,
     TimeLimitExceeded,
     WorkerLostError,
 )
 from celery import Task
-from celery.exceptions import Reject
+from celery.exceptions import Ignore, Reject
 from celery.exceptions import Retry as CeleryRetry
 from celery.signals import task_revoked
 from celery.utils import uuid
 from celery.utils.threads import LocalStack
+from celery.utils.time import maybe_iso8601, maybe_make_aware
 from celery.worker.request import Request
+from kombu.serialization import dumps as kombu_dumps
+from kombu.serialization import loads as kombu_loads
 
 from celery_redislock import signals
 from celery_redislock._clock import clock
@@ -54,7 +61,12 @@ from celery_redislock.config import (
     validate_hold,
     validate_lost_mode,
 )
-from celery_redislock.exceptions import AlreadyQueued, ConfigurationError, LockBackendError
+from celery_redislock.exceptions import (
+    AlreadyQueued,
+    ConfigurationError,
+    LockBackendError,
+    LockKeyError,
+)
 from celery_redislock.interrupt import interrupter_for_current_thread
 from celery_redislock.keys import bind_lock_arguments, custom_key, task_key, validate_lock_args
 from celery_redislock.lock import LockHandle, validate_ttl
@@ -72,6 +84,7 @@ __all__ = [
     "BACKEND_RETRIES_HEADER",
     "LOCK_RETRIES_HEADER",
     "QUEUED_TOKEN_HEADER",
+    "UNSETTLED_HEADER",
     "SingletonRequest",
     "SingletonTask",
     "SingletonTaskMixin",
@@ -83,22 +96,25 @@ logger = logging.getLogger("celery_redislock.task")
 LOCK_RETRIES_HEADER = "redislock_lock_retries"
 #: Message header counting retries caused by an unreachable lock store.
 BACKEND_RETRIES_HEADER = "redislock_backend_retries"
-
-# Parent-side release happens only for outcomes where the child may not have
-# reached (or finished) its own ``finally``.
-_ABNORMAL_EXITS = (
-    WorkerLostError,
-    TimeLimitExceeded,
-    SoftTimeLimitExceeded,
-    Terminated,
-    SystemExit,
-    KeyboardInterrupt,
-)
+#: Message header listing the values of this execution's earlier acquires
+#: whose replies were lost (a lock-store error): the retry takes them over.
+UNSETTLED_HEADER = "redislock_unsettled"
+#: At most this many unsettled values travel in the header.
+_MAX_UNSETTLED = 16
 
 #: Message header carrying the value a producer stored at enqueue time.
 QUEUED_TOKEN_HEADER = "redislock_token"
-#: Hostname field of a queued (not yet running) lock value.
-QUEUED_HOST = "<queued>"
+
+# Signals that end a pool child: after one of them, the parent waits for the
+# exit, then releases (SIGINT is ignored by billiard's children).
+_FATAL_SIGNALS = {
+    signals_module.SIGKILL: 5.0,
+    signals_module.SIGTERM: 1.0,
+    signals_module.SIGQUIT: 1.0,
+    signals_module.SIGHUP: 1.0,
+}
+#: billiard's grace between SIGTERM and SIGKILL at a hard time limit.
+_HARD_LIMIT_GRACE = 0.1
 
 #: Task event sent on contention when task events are on (Flower shows it).
 CONTENTION_EVENT = "task-redislock-contended"
@@ -107,9 +123,8 @@ CONTENTION_EVENT = "task-redislock-contended"
 _OWN_RETRY_WAIT = 10.0
 
 # Canvas members and tasks carrying callbacks are always published: dropping
-# one would break a chord's counter or lose the rest of a workflow. Retries
-# (same task id) are the owner coming back, never a duplicate.
-_ENQUEUE_BYPASS_OPTIONS = ("retries", "chord", "group_id", "chain", "link", "link_error")
+# one would break a chord's counter or lose the rest of a workflow.
+_ENQUEUE_BYPASS_OPTIONS = ("chord", "group_id", "chain", "link", "link_error")
 
 if TYPE_CHECKING:
     _TaskBase = Task[Any, Any]
@@ -233,18 +248,46 @@ class SingletonTaskMixin(_TaskBase):
         ``self.lock.lost`` turns True if the renewer finds the lock gone or
         taken over; ``self.lock.owned`` is a zero-round-trip validity check.
         """
-        held: LockHandle | None = self._redislock_held.top
-        return held
+        execution: _Execution | None = self._redislock_held.top
+        return None if execution is None else execution.handle
 
     def lock_key_for(self, args: Sequence[Any], kwargs: dict[str, Any]) -> str:
         """Return the lock key of a call with ``args`` and ``kwargs``.
 
+        It is the key the worker computes from the message: the arguments
+        are taken through the task's serializer first (a tuple arrives as a
+        list under JSON, a NumPy float as a plain float).
+
         Raises:
-            LockKeyError: the arguments cannot be encoded into a key.
+            LockKeyError: the arguments cannot be serialized or keyed.
         """
-        return self._key(self._lock_settings(), args, kwargs)
+        settings = self._lock_settings()
+        args, kwargs = self._as_received(args, kwargs or {}, self.serializer)
+        return self._key(settings, args, kwargs)
+
+    def _as_received(
+        self, args: Sequence[Any], kwargs: dict[str, Any], serializer: str | None
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The arguments as a worker will receive them: a round trip through ``serializer``.
+
+        The key must be computed from what the worker sees, or the producer's
+        enqueue lock could never be taken over by the worker (measured: a
+        NumPy float gave one key in the producer and another in the worker).
+        """
+        try:
+            content_type, encoding, body = kombu_dumps(
+                (list(args), dict(kwargs)), serializer=serializer or "json"
+            )
+            received = kombu_loads(body, content_type, encoding, accept={content_type})
+        except Exception as exc:
+            raise LockKeyError(
+                f"{self.name}: the arguments cannot be sent with the {serializer!r} "
+                f"serializer: {exc}"
+            ) from exc
+        return tuple(received[0]), dict(received[1])
 
     def _key(self, settings: TaskSettings, args: Sequence[Any], kwargs: dict[str, Any]) -> str:
+        """The key of a call whose arguments are as the worker receives them."""
         prefix = settings.app.key_prefix
         key_function = type(self).lock_key
         if key_function is not None:
@@ -274,38 +317,47 @@ class SingletonTaskMixin(_TaskBase):
 
         A duplicate is not published: it returns the holder's ``AsyncResult``
         (so ``.get()`` gives the first task's result), or raises
-        :class:`AlreadyQueued` with ``lock_enqueue_raise``. Retries, canvas
-        members and tasks carrying callbacks are always published (their run
-        is still protected by the worker-side lock).
+        :class:`AlreadyQueued` with ``lock_enqueue_raise``. Re-sends of an
+        existing task id (``self.retry()``, a lock retry, Celery's
+        ``retry_on_worker_lost``: they carry ``retries``), canvas members and
+        tasks carrying callbacks are always published; their run is still
+        protected by the worker-side lock.
         """
         settings = self._lock_settings()
         if (
             not (settings.enabled and settings.enqueue)
             or self.app.conf.task_always_eager
+            or options.get("retries") is not None
             or any(options.get(name) for name in _ENQUEUE_BYPASS_OPTIONS)
         ):
             return super().apply_async(None if args is None else tuple(args), kwargs, **options)
         args, kwargs = tuple(args or ()), dict(kwargs or {})
-        key = self._key(settings, args, kwargs)
+        received = self._as_received(args, kwargs, options.get("serializer") or self.serializer)
+        key = self._key(settings, *received)
         task_id = options.pop("task_id", None) or uuid()
-        token = LockValue.new(LockOwner(task_id, 0, QUEUED_HOST, None), self.name).encode()
+        token = LockValue.queued(task_id, self.name).encode()
         ttl = settings.enqueue_ttl + _seconds_until(options.get("eta") or options.get("countdown"))
+        headers = {**(options.pop("headers", None) or {}), QUEUED_TOKEN_HEADER: token}
         try:
             result = settings.backend.acquire(key, token, max(int(ttl * 1000), 1))
         except LockBackendError as exc:
-            # Never drop the task: publish without the enqueue lock; the
-            # worker's run-time lock still keeps executions apart.
+            # Never drop the task: publish it. Its header still carries the
+            # token: if the acquire ran after all (a late reply), the worker
+            # takes the key over instead of contending with it.
             logger.warning(
                 "publishing %s[%s] without its enqueue lock: %s", self.name, task_id, exc
             )
-            return super().apply_async(args, kwargs, task_id=task_id, **options)
+            return super().apply_async(args, kwargs, task_id=task_id, headers=headers, **options)
+        except BaseException:
+            # Interrupted: the key may hold a token for a task never published.
+            _release_quietly(settings, key, token)
+            raise
         if not result.acquired:
             return self._duplicate(settings, key, task_id, result)
-        headers = {**(options.pop("headers", None) or {}), QUEUED_TOKEN_HEADER: token}
         try:
             return super().apply_async(args, kwargs, task_id=task_id, headers=headers, **options)
         except BaseException:
-            settings.backend.release(key, token)  # nothing was queued: free the key
+            _release_quietly(settings, key, token)  # nothing was queued: free the key
             raise
 
     def _duplicate(
@@ -329,7 +381,10 @@ class SingletonTaskMixin(_TaskBase):
         return self.AsyncResult(holder)
 
     def release_queued_lock(self, args: Sequence[Any], kwargs: dict[str, Any], token: str) -> None:
-        """Free the key of a queued task that will never run (revoked, expired)."""
+        """Free the key of a queued task that will never run (revoked, expired).
+
+        ``args`` and ``kwargs`` are the message's, as the worker received them.
+        """
         settings = self._lock_settings()
         if settings.enabled:
             settings.backend.release(self._key(settings, args, kwargs or {}), token)
@@ -337,141 +392,39 @@ class SingletonTaskMixin(_TaskBase):
     # -- the execution ---------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the body under the lock: acquire, run, release in one ``try/finally``."""
+        """Run the body under the lock: take it, run, give it back in one ``try/finally``.
+
+        Whatever lands between two lines (a soft time limit, an abort, a
+        SIGTERM-born ``SystemExit``, ``KeyboardInterrupt``), the ``finally``
+        gives back exactly what was taken: the lock if granted, or the value
+        an acquire may have stored if it was interrupted before its reply.
+        """
         request = self.request
         if request.called_directly:
             return super().__call__(*args, **kwargs)
         settings = self._lock_settings()
         if not settings.enabled:
             return super().__call__(*args, **kwargs)
-        outcome = self._take_lock(settings, args, kwargs)
-        if not isinstance(outcome, LockHandle) and outcome is not None:
-            return outcome.result
-        keep: tuple[str, float] | None = None
-        self._redislock_held.push(outcome)
+        execution = _Execution(self, settings, args, kwargs)
         try:
+            decision = execution.take_lock()
+            if decision is not None:
+                return decision.result
+            self._redislock_held.push(execution)
             result = super().__call__(*args, **kwargs)
-            if settings.hold_after_success and outcome is not None:
-                # An idempotency window: a late duplicate still finds the key.
-                keep = (outcome.value, settings.hold_after_success)
+            execution.succeeded()
             return result
         except CeleryRetry as retry:
-            token = _queued_token(request)
-            if settings.enqueue and token:
-                # The retry keeps ownership: the key goes back to the queued
-                # value that the retried message carries and will adopt.
-                keep = (token, settings.enqueue_ttl + _seconds_until(retry.when))
+            execution.retrying(retry)
             raise
         finally:
-            self._redislock_held.pop()
-            if outcome is not None:
-                outcome.release(*keep) if keep else outcome.release()
-
-    def _take_lock(
-        self, settings: TaskSettings, args: Sequence[Any], kwargs: dict[str, Any]
-    ) -> LockHandle | _Result | None:
-        """Return the held lock, a result to return instead of running, or None.
-
-        None means "run unprotected" (lock store down, ``on_backend_error="run"``).
-        """
-        request = self.request
-        key = self._key(settings, args, kwargs)
-        owner = LockOwner.current(request.id, request.retries or 0, request.hostname)
-        value = LockValue.new(owner, self.name).encode()
-        started = clock()
-        adopt = _queued_token(request) or ""
-        try:
-            result = settings.backend.acquire(
-                key,
-                value,
-                settings.ttl_ms,
-                adopt,
-                settings.min_replicas,
-                settings.min_replicas_timeout,
-            )
-        except LockBackendError as exc:
-            self._on_backend_error(settings, key, exc)
-            return None
-        if result.acquired:
-            return self._granted(settings, key, value, result, started)
-
-        granted: list[AcquireResult] = []
-
-        def wait_for_lock(timeout: float) -> bool:
-            waited = settings.backend.acquire_waiting(
-                key,
-                value,
-                settings.ttl_ms,
-                timeout,
-                adopt,
-                settings.min_replicas,
-                settings.min_replicas_timeout,
-            )
-            if waited.acquired:
-                granted.append(waited)
-            return waited.acquired
-
-        holder = LockValue.decode(result.holder) if result.holder else None
-        holder_task_id = holder.owner.task_id or None if holder is not None else None
-        if (
-            holder is not None
-            and holder.owner.task_id == request.id
-            and holder.owner.attempt < (request.retries or 0)
-            and wait_for_lock(min(result.ttl_remaining or _OWN_RETRY_WAIT, _OWN_RETRY_WAIT))
-        ):
-            # Our own previous attempt raised Retry and published this
-            # message just before its ``finally`` released the lock: the
-            # release is a moment away, so wait for it instead of retrying.
-            return self._granted(settings, key, value, granted[-1], started)
-
-        headers = dict(request.headers or {})
-        lock_retries = int(headers.get(LOCK_RETRIES_HEADER) or 0)
-        contention = Contention(
-            key=key,
-            task_name=self.name,
-            task_id=request.id,
-            holder_task_id=holder_task_id,
-            ttl_remaining=result.ttl_remaining,
-            redelivered=bool((request.delivery_info or {}).get("redelivered")),
-            lock_retries=lock_retries,
-            wait_for_lock=wait_for_lock,
-            retry_later=lambda countdown, exc: self._resend(
-                countdown, exc, {LOCK_RETRIES_HEADER: lock_retries + 1}
-            ),
-        )
-        from_beat = bool(
-            headers.get("celery_beat_task") or getattr(request, "celery_beat_task", None)
-        )
-        policy = settings.beat_policy if from_beat else settings.policy
-        if isinstance(policy, Skip) and (
-            contention.redelivered or contention.holder_task_id == request.id
-        ):
-            # A redelivered copy may be the only surviving one (its first
-            # run died holding the lock): retry it, never drop it.
-            policy = Retry()
-        logger.info(
-            "%s[%s] not running: lock %s is held by %s (expires in %s s); policy %s",
-            self.name,
-            request.id,
-            key,
-            contention.holder_task_id or "an unknown holder",
-            "?" if result.ttl_remaining is None else f"{result.ttl_remaining:.3f}",
-            policy.name,
-        )
-        signals.lock_contended.send(
-            sender=self,
-            key=key,
-            task_name=self.name,
-            task_id=request.id,
-            holder_task_id=contention.holder_task_id,
-            ttl_remaining=result.ttl_remaining,
-            policy=policy.name,
-        )
-        self._send_contention_event(key, contention.holder_task_id, policy.name)
-        decision = policy.handle(contention)
-        if decision is LOCK_ACQUIRED:
-            return self._granted(settings, key, value, granted[-1], started)
-        return _Result(decision)
+            # Inline, not in a helper: an exception landing on a helper's
+            # first instruction would escape before its own ``try``.
+            try:
+                execution.give_back()
+            except BaseException:
+                execution.give_back()  # once more, then re-raise: deferred, not lost
+                raise
 
     def _send_contention_event(self, key: str, holder: str | None, policy: str) -> None:
         """Tell monitors (Flower) why this task did not run yet.
@@ -493,41 +446,15 @@ class SingletonTaskMixin(_TaskBase):
         except Exception:
             logger.warning("could not send the %s event", CONTENTION_EVENT, exc_info=True)
 
-    def _granted(
-        self,
-        settings: TaskSettings,
-        key: str,
-        value: str,
-        result: AcquireResult,
-        started: float,
-    ) -> LockHandle:
-        handle = LockHandle(
-            settings.backend,
-            key,
-            value,
-            settings.ttl,
-            result.sent_at,
-            task_name=self.name,
-            task_id=self.request.id,
-            sender=self,
-            fence=result.fence,
-        )
-        handle.on_lost(self.on_lock_lost)
-        if settings.on_lost == "abort":
-            interrupt = interrupter_for_current_thread()
-            if interrupt is not None:
-                handle.on_lost(interrupt)
-        signals.lock_acquired.send(
-            sender=self,
-            key=key,
-            task_name=self.name,
-            task_id=self.request.id,
-            waited=clock() - started,
-            fence=result.fence,
-        )
-        return handle
+    def _on_backend_error(
+        self, settings: TaskSettings, key: str, exc: LockBackendError, unsettled: str
+    ) -> None:
+        """Run unprotected (``"run"``) or re-send with backoff (``"fail"``).
 
-    def _on_backend_error(self, settings: TaskSettings, key: str, exc: LockBackendError) -> None:
+        ``unsettled`` is the value of the acquire that failed: its script may
+        still have run (a reply after the timeout), so the re-sent message
+        carries it and the retry takes it over.
+        """
         request = self.request
         if settings.on_backend_error == "run":
             logger.warning(
@@ -538,8 +465,10 @@ class SingletonTaskMixin(_TaskBase):
                 exc,
             )
             return
-        attempts = int((request.headers or {}).get(BACKEND_RETRIES_HEADER) or 0)
-        if attempts >= settings.app.backend_error_max_retries:
+        headers = request.headers or {}
+        attempts = int(headers.get(BACKEND_RETRIES_HEADER) or 0)
+        limit = settings.app.backend_error_max_retries
+        if attempts >= limit:
             logger.error(
                 "%s[%s] gives up after %d retries: lock store unreachable: %s",
                 self.name,
@@ -549,26 +478,43 @@ class SingletonTaskMixin(_TaskBase):
             )
             raise exc
         countdown = min(2.0**attempts, 60.0) * random.uniform(0.5, 1.0)
-        logger.warning(
-            "%s[%s] will retry in %.1fs (lock store error %d of %d): %s",
-            self.name,
-            request.id,
+        if request.is_eager:
+            logger.warning(
+                "%s[%s] retries at once (eager mode runs a retry immediately; "
+                "lock store error %d of %d): %s",
+                self.name,
+                request.id,
+                attempts + 1,
+                limit,
+                exc,
+            )
+        else:
+            logger.warning(
+                "%s[%s] will retry in %.1fs (lock store error %d of %d): %s",
+                self.name,
+                request.id,
+                countdown,
+                attempts + 1,
+                limit,
+                exc,
+            )
+        values = [*_own_values(request, headers.get(UNSETTLED_HEADER)), unsettled]
+        self._resend(
             countdown,
-            attempts + 1,
-            settings.app.backend_error_max_retries,
             exc,
+            {BACKEND_RETRIES_HEADER: attempts + 1, UNSETTLED_HEADER: values[-_MAX_UNSETTLED:]},
         )
-        self._resend(countdown, exc, {BACKEND_RETRIES_HEADER: attempts + 1})
 
-    def _resend(self, countdown: float, exc: Exception, counters: dict[str, int]) -> NoReturn:
+    def _resend(self, countdown: float, exc: Exception, headers: dict[str, Any]) -> NoReturn:
         """Re-send this execution to run in ``countdown`` seconds, then raise Retry.
 
         Unlike ``self.retry()``, ``retries`` is not incremented: a lock retry
         must not spend the task's own ``max_retries``. The counters travel in
-        message headers instead.
+        message headers instead. The re-send carries ``retries``, so
+        ``apply_async`` publishes it even while the key is held.
         """
         request = self.request
-        headers = {**(request.headers or {}), **counters}
+        headers = {**(request.headers or {}), **headers}
         headers.pop("redelivered", None)  # set by kombu's Redis transport; not ours to copy
         signature = self.signature_from_request(
             request, countdown=countdown, retries=request.retries or 0, headers=headers
@@ -603,10 +549,11 @@ class SingletonTaskMixin(_TaskBase):
         reason: str,
         requeued_token: str | None = None,
     ) -> ReleaseOutcome | None:
-        """Release the lock of an execution whose process died (worker parent side).
+        """Release the lock of an execution whose process ended (worker parent side).
 
         Matches on the owner prefix, so it releases only the lock taken by
-        exactly that attempt in exactly that process.
+        exactly that attempt in exactly that process. ``args`` and ``kwargs``
+        are the message's, as the worker received them.
         """
         settings = self._lock_settings()
         if not settings.enabled:
@@ -643,33 +590,342 @@ class _Result:
         self.result = result
 
 
+class _Execution:
+    """One run of a locked task in the worker: what it took, and what it gives back.
+
+    :meth:`give_back` runs in the ``finally`` of ``__call__`` and gives back the
+    lock if it was granted (deleting it, handing it to a queued retry, or
+    keeping it as an idempotency window), or, if an acquire was interrupted
+    before its reply was read, deletes the value that acquire may have
+    stored (a compare-and-delete: a no-op if it did not).
+    """
+
+    def __init__(
+        self,
+        task: SingletonTaskMixin,
+        settings: TaskSettings,
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+    ) -> None:
+        self.task = task
+        self.settings = settings
+        self.request = request = task.request
+        if request.is_eager:
+            # apply() passes the caller's objects; a worker gets them decoded.
+            args, kwargs = task._as_received(args, kwargs, task.serializer)
+        self.key = task._key(settings, args, kwargs)
+        owner = LockOwner.current(request.id, request.retries or 0, request.hostname)
+        self.value = LockValue.new(owner, task.name).encode()
+        headers = request.headers or {}
+        self.queued_token = _queued_token(request)
+        self.adopt = [
+            *([self.queued_token] if self.queued_token else []),
+            *_own_values(request, headers.get(UNSETTLED_HEADER)),
+        ]
+        self.handle: LockHandle | None = None
+        #: An acquire was sent and its reply not (yet) read.
+        self.unsettled = False
+        self.keep: tuple[str, float] | None = None
+
+    # -- taking the lock --
+
+    def _acquire(self, wait: float | None = None) -> AcquireResult:
+        settings, backend = self.settings, self.settings.backend
+        self.unsettled = True
+        if wait is None:
+            result = backend.acquire(
+                self.key,
+                self.value,
+                settings.ttl_ms,
+                self.adopt,
+                settings.min_replicas,
+                settings.min_replicas_timeout,
+            )
+        else:
+            result = backend.acquire_waiting(
+                self.key,
+                self.value,
+                settings.ttl_ms,
+                wait,
+                self.adopt,
+                settings.min_replicas,
+                settings.min_replicas_timeout,
+            )
+        self.unsettled = result.acquired  # granted: the handle owns it from here
+        return result
+
+    def take_lock(self) -> _Result | None:
+        """Take the lock; None means "run the body", else the policy's result."""
+        task, request, settings = self.task, self.request, self.settings
+        started = clock()
+        try:
+            result = self._acquire()
+        except LockBackendError as exc:
+            self.unsettled = False  # the re-send takes the value over
+            task._on_backend_error(settings, self.key, exc, self.value)
+            return None  # on_backend_error="run": run unprotected
+        if result.acquired:
+            self._grant(result, started)
+            return None
+        holder = result.holder_value
+        if (
+            holder is not None
+            and holder.owner.task_id == request.id
+            and holder.is_queued
+            and result.holder is not None
+            and result.holder not in self.adopt
+        ):
+            # This task's own queued value, from a message that lost its
+            # header (a re-send): no process runs it, so take it over.
+            self.adopt.append(result.holder)
+            result = self._acquire()
+            if result.acquired:
+                self._grant(result, started)
+                return None
+            holder = result.holder_value
+        if holder is not None and holder.owner.task_id == request.id and holder.is_kept:
+            # A second delivery of a message whose own run succeeded
+            # (acks_late and a crash before the ack, a visibility timeout):
+            # its result is already stored. Drop the copy.
+            self._contended(result, "already_succeeded")
+            logger.info(
+                "%s[%s] delivered again after it succeeded; dropped (lock %s kept its window)",
+                task.name,
+                request.id,
+                self.key,
+            )
+            raise Ignore()
+        granted: list[AcquireResult] = []
+
+        def wait_for_lock(timeout: float) -> bool:
+            waited = self._acquire(wait=timeout)
+            if waited.acquired:
+                granted.append(waited)
+            return waited.acquired
+
+        if (
+            holder is not None
+            and holder.owner.task_id == request.id
+            and holder.owner.attempt < (request.retries or 0)
+            and wait_for_lock(min(result.ttl_remaining or _OWN_RETRY_WAIT, _OWN_RETRY_WAIT))
+        ):
+            # Our own previous attempt raised Retry and published this
+            # message just before its ``finally`` released the lock: the
+            # release is a moment away, so wait for it instead of retrying.
+            self._grant(granted[-1], started)
+            return None
+
+        headers = dict(request.headers or {})
+        lock_retries = int(headers.get(LOCK_RETRIES_HEADER) or 0)
+        contention = Contention(
+            key=self.key,
+            task_name=task.name,
+            task_id=request.id,
+            holder_task_id=result.holder_task_id,
+            ttl_remaining=result.ttl_remaining,
+            redelivered=bool((request.delivery_info or {}).get("redelivered")),
+            lock_retries=lock_retries,
+            wait_for_lock=wait_for_lock,
+            retry_later=lambda countdown, exc: task._resend(
+                countdown, exc, {LOCK_RETRIES_HEADER: lock_retries + 1}
+            ),
+        )
+        from_beat = bool(
+            headers.get("celery_beat_task") or getattr(request, "celery_beat_task", None)
+        )
+        policy = settings.beat_policy if from_beat else settings.policy
+        if isinstance(policy, Skip) and (
+            contention.redelivered or contention.holder_task_id == request.id
+        ):
+            # A redelivered copy may be the only surviving one (its first
+            # run died holding the lock): retry it, never drop it.
+            policy = Retry()
+        logger.info(
+            "%s[%s] not running: lock %s is held by %s (expires in %s s); policy %s",
+            task.name,
+            request.id,
+            self.key,
+            contention.holder_task_id or "an unknown holder",
+            "?" if result.ttl_remaining is None else f"{result.ttl_remaining:.3f}",
+            policy.name,
+        )
+        self._contended(result, policy.name)
+        decision = policy.handle(contention)
+        if decision is LOCK_ACQUIRED:
+            self._grant(granted[-1], started)
+            return None
+        return _Result(decision)
+
+    def _contended(self, result: AcquireResult, policy: str) -> None:
+        task = self.task
+        signals.lock_contended.send(
+            sender=task,
+            key=self.key,
+            task_name=task.name,
+            task_id=self.request.id,
+            holder_task_id=result.holder_task_id,
+            ttl_remaining=result.ttl_remaining,
+            policy=policy,
+        )
+        task._send_contention_event(self.key, result.holder_task_id, policy)
+
+    def _grant(self, result: AcquireResult, started: float) -> None:
+        task, settings = self.task, self.settings
+        handle = LockHandle(
+            settings.backend,
+            self.key,
+            self.value,
+            settings.ttl,
+            result.sent_at,
+            task_name=task.name,
+            task_id=self.request.id,
+            sender=task,
+            renew=False,
+            fence=result.fence,
+        )
+        self.handle = handle
+        self.unsettled = False
+        handle.on_lost(task.on_lock_lost)
+        if settings.on_lost == "abort":
+            interrupt = interrupter_for_current_thread()
+            if interrupt is not None:
+                handle.on_lost(interrupt)
+        handle.start_renewal()
+        signals.lock_acquired.send(
+            sender=task,
+            key=self.key,
+            task_name=task.name,
+            task_id=self.request.id,
+            waited=clock() - started,
+            fence=result.fence,
+        )
+
+    # -- how it ends --
+
+    def succeeded(self) -> None:
+        """The body returned: keep an idempotency window if configured."""
+        hold = self.settings.hold_after_success
+        if hold and self.handle is not None:
+            request = self.request
+            kept = LockValue.kept(request.id or "", request.retries or 0, self.task.name)
+            self.keep = (kept.encode(), hold)
+
+    def retrying(self, retry: CeleryRetry) -> None:
+        """The body raised Retry: hand the key to the queued retry (``lock_enqueue``)."""
+        if self.settings.enqueue and self.queued_token:
+            # The retried message carries the same token and takes it over.
+            self.keep = (
+                self.queued_token,
+                self.settings.enqueue_ttl + _seconds_until(retry.when),
+            )
+
+    def give_back(self) -> None:
+        """Give back what this execution took; safe to call again if interrupted."""
+        held = self.task._redislock_held
+        if held.top is self:
+            held.pop()
+        if self.handle is not None:
+            if self.keep is not None:
+                self.handle.release(*self.keep)
+            else:
+                self.handle.release()
+        elif self.unsettled:
+            # Interrupted between sending an acquire and reading its reply.
+            _release_quietly(self.settings, self.key, self.value)
+            self.unsettled = False
+
+
+def _release_quietly(settings: TaskSettings, key: str, value: str) -> None:
+    """Compare-and-delete ``value``; a lock-store error is logged, the TTL frees it."""
+    try:
+        settings.backend.release(key, value)
+    except LockBackendError as exc:
+        logger.warning("could not take back lock %s (it expires by itself): %s", key, exc)
+
+
 class SingletonTask(SingletonTaskMixin, _Task):
     """A Celery ``Task`` that runs at most once at a time per lock key."""
 
 
 class SingletonRequest(Request):
-    """Worker request that releases a dead pool child's lock from the parent."""
+    """Worker request that releases a pool child's lock from the parent, once the child exited.
+
+    billiard calls the failure handler of a hard time limit *before* it
+    kills the child, and Celery stores REVOKED right after sending
+    ``terminate``'s signal: a release at those moments would let a
+    duplicate start while the child still runs. So the parent ends the
+    child (as billiard is about to) or waits for it to exit, and releases
+    only then, before Celery stores the outcome: ``result.get()`` returning
+    means the lock is free.
+    """
 
     def on_timeout(self, soft: bool, timeout: float) -> None:
-        """After a hard time limit killed the child, release its lock here."""
+        """A hard time limit: end the child, then release its lock."""
         if not soft:
-            self._release_child_lock("hard time limit")
+            self._release_after_exit("hard time limit", kill=True)
         super().on_timeout(soft, timeout)
 
     def on_failure(
         self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False
     ) -> None:
-        """When the child died (WorkerLostError, terminate), release its lock here."""
+        """The child died (WorkerLostError, terminated) or hit its hard time limit."""
         exc = getattr(exc_info, "exception", None)
         exc = getattr(exc, "exc", exc)  # unwrap billiard's ExceptionWithTraceback
-        if isinstance(exc, _ABNORMAL_EXITS):
-            task = self.task
-            requeued = isinstance(exc, WorkerLostError) and bool(
-                getattr(task, "retry_on_worker_lost", False)
-                or (task.acks_late and task.reject_on_worker_lost)
-            )
-            self._release_child_lock(type(exc).__name__, requeued)
+        if isinstance(exc, TimeLimitExceeded):
+            self._release_after_exit("hard time limit", kill=True)
+        elif isinstance(exc, (WorkerLostError, Terminated)):
+            self._release_child_lock(type(exc).__name__, self._will_be_resent(exc))
         super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
+
+    def terminate(self, pool: Any, signal: Any = None) -> None:
+        """``revoke(terminate=True)``: release once the signalled child has exited."""
+        super().terminate(self._releasing(pool), signal)
+
+    def cancel(self, pool: Any, signal: Any = None, emit_retry: bool = True) -> None:
+        """Cold shutdown: release once the signalled child has exited."""
+        super().cancel(self._releasing(pool), signal, emit_retry=emit_retry)
+
+    def _releasing(self, pool: Any) -> Any:
+        if self.time_start and _is_running_child(self.worker_pid):
+            return _ReleaseAfterExit(pool, self)
+        return pool
+
+    def _will_be_resent(self, exc: BaseException) -> bool:
+        """Whether Celery puts this message back (so its key should wait for it).
+
+        Mirrors ``celery.worker.request.Request.on_failure``: a lost worker is
+        re-sent with ``retry_on_worker_lost`` while retries remain, or
+        requeued with ``acks_late`` and ``reject_on_worker_lost``.
+        """
+        if not isinstance(exc, WorkerLostError):
+            return False
+        task = self.task
+        if getattr(task, "retry_on_worker_lost", False):
+            retries = int(self.request_dict.get("retries") or 0)
+            max_retries = task.max_retries
+            return max_retries is None or retries < max_retries
+        return bool(task.acks_late and task.reject_on_worker_lost)
+
+    def _release_after_exit(self, reason: str, kill: bool) -> None:
+        pid = self.worker_pid
+        if isinstance(pid, int) and _is_running_child(pid):
+            if kill:
+                # What billiard does right after this handler: SIGTERM, a
+                # 0.1 s grace for the child's own finally, then SIGKILL.
+                _signal(pid, signals_module.SIGTERM)
+                if not _exited(pid, _HARD_LIMIT_GRACE):
+                    _signal(pid, signals_module.SIGKILL)
+            if not _exited(pid, _FATAL_SIGNALS[signals_module.SIGKILL]):
+                logger.error(
+                    "%s[%s]: pool process %s is still running after %s; its lock %s",
+                    self.name,
+                    self.id,
+                    pid,
+                    reason,
+                    "is left to its own release or its TTL",
+                )
+                return
+        self._release_child_lock(reason)
 
     def _release_child_lock(self, reason: str, requeued: bool = False) -> None:
         task = self.task
@@ -696,30 +952,92 @@ class SingletonRequest(Request):
             )
 
 
+class _ReleaseAfterExit:
+    """A pool whose ``terminate_job`` waits for the child to exit, then releases its lock."""
+
+    def __init__(self, pool: Any, request: SingletonRequest) -> None:
+        self._pool = pool
+        self._request = request
+
+    def terminate_job(self, pid: int, signal: Any = None) -> None:
+        self._pool.terminate_job(pid, signal)
+        bound = _FATAL_SIGNALS.get(signals_module.Signals(signal or signals_module.SIGTERM))
+        if bound is not None and _exited(pid, bound):
+            self._request._release_child_lock("terminated")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pool, name)
+
+
+def _is_running_child(pid: Any) -> bool:
+    """True if ``pid`` is a child process of this one that has not exited.
+
+    False for the threads, solo and gevent pools, whose "pid" is this
+    process (or a greenlet's id).
+    """
+    if not isinstance(pid, int) or pid <= 0 or pid == os.getpid():
+        return False
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+    except (ChildProcessError, OverflowError, OSError):
+        return False
+
+
+def _exited(pid: int, timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for child ``pid`` to exit (left for billiard to reap)."""
+    deadline = clock() + timeout
+    while True:
+        try:
+            if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                return True
+        except ChildProcessError:
+            return True  # already reaped by billiard
+        if clock() >= deadline:
+            return False
+        time.sleep(0.001)
+
+
+def _signal(pid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signum)
+
+
 def _queued_token(request: Any) -> str | None:
     """The enqueue-time value a message carries, if it is this task's own."""
     token = (request.headers or {}).get(QUEUED_TOKEN_HEADER) or getattr(
         request, QUEUED_TOKEN_HEADER, None
     )
-    if not isinstance(token, str):
-        return None
-    decoded = LockValue.decode(token)
-    if decoded is None or decoded.owner.task_id != request.id:
-        return None
-    return token
+    own = _own_values(request, [token])
+    return own[0] if own else None
+
+
+def _own_values(request: Any, values: Any) -> list[str]:
+    """The values in a header that belong to this task id (a header cannot take another's lock)."""
+    if not isinstance(values, (list, tuple)):
+        return []
+    own = []
+    for value in values:
+        if isinstance(value, str):
+            decoded = LockValue.decode(value)
+            if decoded is not None and decoded.owner.task_id == request.id:
+                own.append(value)
+    return own
 
 
 def _seconds_until(when: Any) -> float:
-    """Seconds from now until a countdown (number) or an ETA (datetime/ISO)."""
+    """Seconds from now until a countdown (number) or an ETA (datetime or ISO 8601).
+
+    A naive ETA is UTC, as Celery reads it.
+    """
     if when is None:
         return 0.0
     if isinstance(when, (int, float)):
         return max(float(when), 0.0)
     if isinstance(when, str):
-        when = datetime.fromisoformat(when)
+        when = maybe_iso8601(when)
     if isinstance(when, datetime):
-        now = datetime.now(when.tzinfo) if when.tzinfo else datetime.now()
-        return max((when - now).total_seconds(), 0.0)
+        eta = maybe_make_aware(when)
+        return max((eta - datetime.now(timezone.utc)).total_seconds(), 0.0)
     return 0.0
 
 

@@ -18,6 +18,15 @@ they can never contain the separator::
 * ``task name`` and ``acquired ms`` (Unix epoch milliseconds) are for
   operators listing locks; they play no part in ownership.
 
+Two values hold a key for a task that is not running, and name no worker
+or process, so no parent-side release (by owner prefix) can ever match them:
+
+* *queued* (hostname ``<queued>``): taken by the producer at enqueue time;
+  the worker that runs the message takes it over;
+* *kept* (hostname ``<done>``): left by a successful run as its idempotency
+  window (``lock_hold_after_success``). It differs from the running value,
+  so a renewal still in flight when the run released cannot extend it.
+
 A standalone :class:`~celery_redislock.RedisLock` has an empty task id.
 """
 
@@ -30,10 +39,15 @@ import time
 from dataclasses import dataclass
 from urllib.parse import quote, unquote
 
-__all__ = ["LockOwner", "LockValue", "new_nonce"]
+__all__ = ["KEPT_HOST", "QUEUED_HOST", "LockOwner", "LockValue", "new_nonce"]
 
 _VERSION = "v1"
 _SEPARATOR = "|"
+
+#: Hostname field of a queued (published, not yet started) task's value.
+QUEUED_HOST = "<queued>"
+#: Hostname field of the value a successful run keeps as its idempotency window.
+KEPT_HOST = "<done>"
 
 
 def _text(value: str) -> str:
@@ -84,6 +98,26 @@ class LockValue:
     def new(cls, owner: LockOwner, task_name: str) -> LockValue:
         """Return a fresh value (new nonce, acquired now) for ``owner``."""
         return cls(owner, new_nonce(), task_name, int(time.time() * 1000))
+
+    @classmethod
+    def queued(cls, task_id: str, task_name: str) -> LockValue:
+        """Return the value a producer stores for a task it is about to publish."""
+        return cls.new(LockOwner(task_id, 0, QUEUED_HOST, None), task_name)
+
+    @classmethod
+    def kept(cls, task_id: str, attempt: int, task_name: str) -> LockValue:
+        """Return the value a successful run leaves as its idempotency window."""
+        return cls.new(LockOwner(task_id, attempt, KEPT_HOST, None), task_name)
+
+    @property
+    def is_queued(self) -> bool:
+        """Taken at enqueue time for a task that has not started."""
+        return self.owner.hostname == QUEUED_HOST
+
+    @property
+    def is_kept(self) -> bool:
+        """Left by a successful run as its idempotency window."""
+        return self.owner.hostname == KEPT_HOST
 
     def encode(self) -> str:
         """Return the string stored in Redis."""

@@ -27,7 +27,7 @@ def test_retry_of_the_same_acquire_and_adoption_keep_the_fence(server: RedisServ
     backend = LockBackend(server.url_for(LOCK_DB))
     first = backend.acquire("k", "mine", 5000)
     again = backend.acquire("k", "mine", 5000)  # a client retry after a lost reply
-    adopted = backend.acquire("k", "running", 5000, adopt="mine")
+    adopted = backend.acquire("k", "running", 5000, adopt=("mine",))
     assert first.fence == again.fence == adopted.fence
     backend.release("k", "running")
     assert (backend.acquire("k", "next", 5000).fence or 0) > (first.fence or 0)

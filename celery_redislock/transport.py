@@ -1,0 +1,459 @@
+"""The one place that writes to and reads from Redis sockets.
+
+Every command the package sends goes through an :class:`Endpoint`: one
+Redis server, as used by one kind of caller (task threads, releases, the
+renewer thread). The rule it enforces, for every caller:
+
+    A connection goes back to the idle set only after the exchange that
+    used it has read every reply. Anything else that ends an exchange (a
+    timeout, a soft time limit, ``KeyboardInterrupt``, an asynchronous
+    exception, a gevent ``Timeout``) disconnects it, so no later command can
+    read an earlier command's reply.
+
+redis-py's own pool does not promise this: a pooled connection that an
+exception left between a command and its reply goes back to the pool, and
+its ``can_read()`` check on checkout only sees a reply that has already
+arrived.
+
+The connections are redis-py ``Connection`` objects made from the client's
+own pool settings (so AUTH, TLS, Unix sockets and Sentinel master discovery
+are redis-py's), with three changes: they speak RESP2 (a subscription's
+messages are then plain replies), they return raw bytes, and they never
+retry inside ``connect()``. Retrying is done once, here,
+around the whole exchange, with the client's retry policy; redis-py's
+connect retries inside it would multiply the time to give up on a frozen
+server (measured: 45 s for an acquire with 5 s timeouts and 2 retries).
+
+Commands are packed here with a few byte joins: redis-py's general command
+path (argument encoding, connection checkout, response callbacks,
+observability hooks) cost more client CPU than the round trip itself.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import hashlib
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import redis
+from redis.backoff import NoBackoff
+from redis.crc import key_slot
+from redis.exceptions import (
+    AskError,
+    ConnectionError,
+    MovedError,
+    NoScriptError,
+    ResponseError,
+    TimeoutError,
+)
+from redis.retry import Retry
+
+try:  # redis-py >= 8
+    from redis.driver_info import DriverInfo as _DriverInfo
+except ImportError:  # pragma: no cover - older redis-py has no per-connection lookup
+    _DriverInfo = None  # type: ignore[assignment,misc]
+
+__all__ = [
+    "NO_RETRY",
+    "ClusterTopology",
+    "Endpoint",
+    "Script",
+    "Subscription",
+    "Topology",
+    "connection_factory",
+    "connection_settings",
+    "pack_command",
+]
+
+T = TypeVar("T")
+
+#: Retry policy of the connections themselves: none (see the module docstring).
+NO_RETRY = Retry(NoBackoff(), 0)
+
+# Connection settings the transport fixes, whatever the client's are.
+_FIXED = {"retry": NO_RETRY, "decode_responses": False, "protocol": 2}
+# Settings dropped where the client has them: maintenance notifications
+# (RESP3 only; their handler also holds the pool, which would keep a
+# dropped client alive) and a cluster client's connect
+# callback (it holds the cluster client; only replicas need it).
+_DROPPED = ("maint_notifications_config", "maint_notifications_pool_handler", "redis_connect_func")
+
+
+def pack_command(args: Sequence[Any], encoding: str = "utf-8") -> bytes:
+    """Encode one command (name and arguments) as a RESP array of bulk strings.
+
+    Accepts ``str``, ``bytes`` and ``int`` (not ``bool``); anything else is a
+    ``TypeError`` naming the value, before anything is sent.
+    """
+    out = [b"*%d\r\n" % len(args)]
+    for value in args:
+        if isinstance(value, str):
+            data = value.encode(encoding)
+        elif isinstance(value, bytes):
+            data = value
+        elif isinstance(value, int) and not isinstance(value, bool):
+            data = b"%d" % value
+        else:
+            raise TypeError(f"cannot send {type(value).__name__} to Redis: {value!r}")
+        out.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(out)
+
+
+def connection_factory(
+    connection_class: type, connection_kwargs: Mapping[str, Any], **overrides: Any
+) -> Callable[[], Any]:
+    """Return a maker of connections like a pool's, with the transport's fixed settings."""
+    kwargs = {**connection_settings(connection_kwargs), **overrides, **_FIXED}
+    if not {"driver_info", "lib_name", "lib_version"} & kwargs.keys() and _DriverInfo is not None:
+        # redis-py 8 looks its own version up on disk (importlib.metadata)
+        # for every Connection built without one: measured 860 µs each.
+        kwargs["driver_info"] = _DriverInfo(name="redis-py", lib_version=redis.__version__)
+    return functools.partial(connection_class, **kwargs)
+
+
+def connection_settings(connection_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of a pool's connection settings that holds nothing of the pool or client."""
+    return {name: None if name in _DROPPED else value for name, value in connection_kwargs.items()}
+
+
+class Endpoint:
+    """One Redis server for one kind of caller: idle connections kept LIFO.
+
+    Args:
+        make_connection: Builds a new (unconnected) connection.
+        retry: Policy for a whole exchange (connection and timeout errors).
+        encoding: How ``str`` arguments are encoded.
+
+    It is safe to use from several threads (the idle set is a ``deque``,
+    whose ``pop`` and ``append`` are atomic). Connections made in a process
+    are never used by a forked child: it starts with an empty idle set.
+    """
+
+    def __init__(
+        self, make_connection: Callable[[], Any], retry: Retry, encoding: str = "utf-8"
+    ) -> None:
+        self._make = make_connection
+        self.retry = retry
+        self.encoding = encoding
+        self._idle: collections.deque[Any] = collections.deque()
+        self._pid = os.getpid()
+
+    def _take(self) -> Any:
+        if self._pid != os.getpid():
+            # The parent's sockets: leave them to the parent, unused.
+            self._idle, self._pid = collections.deque(), os.getpid()
+        try:
+            return self._idle.pop()
+        except IndexError:
+            return self._make()
+
+    def run(self, exchange: Callable[[Any], T]) -> T:
+        """Run ``exchange(connection)`` (send, then read every reply) on an idle connection.
+
+        Connection and timeout errors are retried under :attr:`retry`, on a
+        fresh connection. The connection is kept only if the exchange
+        returned; on any exception it is disconnected.
+        """
+        connection = self._take()
+        try:
+            result = self.retry.call_with_retry(
+                lambda: exchange(connection), lambda _error: connection.disconnect()
+            )
+        except BaseException:
+            connection.disconnect()
+            # Disconnected, it is as good as new (the next use reconnects);
+            # if anything interrupts the disconnect, it is dropped instead.
+            self._keep(connection)
+            raise
+        self._keep(connection)
+        return result
+
+    def _keep(self, connection: Any) -> None:
+        if self._pid == os.getpid():
+            self._idle.append(connection)
+
+    def call(self, *args: Any) -> Any:
+        """Send one command and return its reply."""
+        packed = pack_command(args, self.encoding)
+        reply = self.run(lambda connection: _send_and_read(connection, packed, 1)[0])
+        if isinstance(reply, ResponseError):
+            raise reply
+        return reply
+
+    def pipeline(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
+        """Send ``commands`` in one write and return their replies, in order.
+
+        An error reply is returned in place (a ``ResponseError``), not raised,
+        so every reply is read and the connection stays usable.
+        """
+        packed = b"".join(pack_command(command, self.encoding) for command in commands)
+        return self.run(lambda connection: _send_and_read(connection, packed, len(commands)))
+
+    def new_connection(self) -> Any:
+        """A connection of its own (for a subscription), never put in the idle set."""
+        return self._make()
+
+    def close(self) -> None:
+        """Disconnect the idle connections (the ones in use close when their exchange ends)."""
+        while self._idle:
+            self._idle.pop().disconnect()
+
+
+def _send_and_read(connection: Any, packed: bytes, replies: int) -> list[Any]:
+    # connect() first: a Sentinel-managed connection resolves the current
+    # master only there.
+    connection.connect()
+    connection.send_packed_command([packed])
+    out: list[Any] = []
+    for _ in range(replies):
+        try:
+            out.append(connection.read_response())
+        except ResponseError as error:  # an error reply: fully read, keep reading
+            out.append(error)
+    return out
+
+
+class Script:
+    """A Lua script sent by SHA1, re-sent as ``EVAL`` after ``NOSCRIPT``.
+
+    After ``SCRIPT FLUSH``, a restart or a failover the server answers
+    ``NOSCRIPT``; the call is then re-sent once as ``EVAL`` on the same
+    connection, which also caches the script again: one extra round trip
+    per script per flush, never an error.
+    """
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.sha = hashlib.sha1(source.encode()).hexdigest()
+
+    def _evalsha(self, keys: Sequence[str], args: Sequence[Any]) -> list[Any]:
+        return ["EVALSHA", self.sha, len(keys), *keys, *args]
+
+    def _eval(self, keys: Sequence[str], args: Sequence[Any]) -> list[Any]:
+        return ["EVAL", self.source, len(keys), *keys, *args]
+
+    def exchange(
+        self, keys: Sequence[str], args: Sequence[Any], encoding: str
+    ) -> Callable[[Any], Any]:
+        """Return an exchange that runs the script once and returns its reply.
+
+        Raises (from the exchange):
+            ResponseError: the script failed or the server refused it.
+        """
+        packed = pack_command(self._evalsha(keys, args), encoding)
+
+        def run(connection: Any) -> Any:
+            (reply,) = _send_and_read(connection, packed, 1)
+            if isinstance(reply, NoScriptError):
+                (reply,) = _send_and_read(
+                    connection, pack_command(self._eval(keys, args), encoding), 1
+                )
+            if isinstance(reply, ResponseError):
+                raise reply
+            return reply
+
+        return run
+
+    def __call__(self, endpoint: Endpoint, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """Run the script on ``endpoint`` and return its reply."""
+        return endpoint.run(self.exchange(keys, args, endpoint.encoding))
+
+    def many(
+        self, endpoint: Endpoint, calls: Iterable[tuple[Sequence[str], Sequence[Any]]]
+    ) -> list[Any]:
+        """Run the script once per ``(keys, args)`` in one pipelined round trip.
+
+        Raises:
+            ResponseError: any call failed (other than ``NOSCRIPT``).
+        """
+        prepared = list(calls)
+        encoding = endpoint.encoding
+
+        def run(connection: Any) -> list[Any]:
+            packed = b"".join(pack_command(self._evalsha(k, a), encoding) for k, a in prepared)
+            replies = _send_and_read(connection, packed, len(prepared))
+            missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+            if missing:
+                again = b"".join(pack_command(self._eval(*prepared[i]), encoding) for i in missing)
+                for index, reply in zip(
+                    missing, _send_and_read(connection, again, len(missing)), strict=True
+                ):
+                    replies[index] = reply
+            for reply in replies:
+                if isinstance(reply, ResponseError):
+                    raise reply
+            return replies
+
+        return endpoint.run(run)
+
+
+class Subscription:
+    """A pub/sub subscription to one channel on a connection of its own.
+
+    The connection is never reused: :meth:`close` disconnects it, and so
+    does any exception while reading. Use it as a context manager.
+    """
+
+    def __init__(self, endpoint: Endpoint, channel: str) -> None:
+        self._connection = endpoint.new_connection()
+        packed = pack_command(("SUBSCRIBE", channel), endpoint.encoding)
+        try:
+            endpoint.retry.call_with_retry(
+                lambda: _send_and_read(self._connection, packed, 1),
+                lambda _error: self._connection.disconnect(),
+            )
+        except BaseException:
+            self._connection.disconnect()
+            raise
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for a message; True if one came."""
+        try:
+            if not self._connection.can_read(timeout=max(timeout, 0.0)):
+                return False
+            self._connection.read_response()
+        except BaseException:
+            self._connection.disconnect()
+            raise
+        return True
+
+    def close(self) -> None:
+        """Drop the connection (unsubscribing is not needed: it is closed)."""
+        self._connection.disconnect()
+
+    def __enter__(self) -> Subscription:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class Topology:
+    """Where a key lives: one server (this base class), or a cluster node."""
+
+    def __init__(self, endpoint: Endpoint) -> None:
+        self.endpoint = endpoint
+
+    def endpoint_for(self, key: str) -> Endpoint:
+        """The endpoint that serves ``key``."""
+        return self.endpoint
+
+    def primaries(self) -> list[Endpoint]:
+        """One endpoint per primary (for SCAN)."""
+        return [self.endpoint]
+
+    def group(self, keys: Sequence[str]) -> list[tuple[Endpoint, list[int]]]:
+        """Indices of ``keys`` grouped by the endpoint and hash slot serving them."""
+        return [(self.endpoint, list(range(len(keys))))]
+
+    def run_for_key(self, key: str, make_exchange: Callable[[Endpoint], Callable[[Any], T]]) -> T:
+        """Run an exchange on the endpoint serving ``key``."""
+        endpoint = self.endpoint_for(key)
+        return endpoint.run(make_exchange(endpoint))
+
+    def close(self) -> None:
+        """Disconnect every idle connection."""
+        for endpoint in self.primaries():
+            endpoint.close()
+
+
+class ClusterTopology(Topology):
+    """A Redis Cluster: keys routed by hash slot to their primary's endpoint.
+
+    The slot map is redis-py's (``RedisCluster.nodes_manager``); the
+    connections are the transport's, one :class:`Endpoint` per node. A
+    ``MOVED`` reply (or a node that stopped answering) refreshes the map and
+    the call is tried again; an ``ASK`` reply is followed with ``ASKING``
+    on the node it names.
+    """
+
+    #: Redirections followed before giving up.
+    MAX_REDIRECTS = 5
+
+    def __init__(self, nodes_manager: Any, make_endpoint: Callable[[Any], Endpoint]) -> None:
+        self._nodes = nodes_manager
+        self._make_endpoint = make_endpoint
+        self._by_node: dict[str, Endpoint] = {}
+
+    def _endpoint_of(self, node: Any) -> Endpoint:
+        endpoint = self._by_node.get(node.name)
+        if endpoint is None:
+            endpoint = self._by_node.setdefault(
+                node.name, self._make_endpoint(node.redis_connection.connection_pool)
+            )
+        return endpoint
+
+    def endpoint_for(self, key: str) -> Endpoint:
+        """The endpoint of the primary serving ``key``'s slot."""
+        return self._endpoint_of(self._nodes.get_node_from_slot(_slot(key)))
+
+    def primaries(self) -> list[Endpoint]:
+        """One endpoint per primary."""
+        return [self._endpoint_of(node) for node in self._nodes.get_nodes_by_server_type("primary")]
+
+    def group(self, keys: Sequence[str]) -> list[tuple[Endpoint, list[int]]]:
+        """Indices grouped by slot (a script may only touch keys of one slot)."""
+        by_slot: dict[int, list[int]] = {}
+        for index, key in enumerate(keys):
+            by_slot.setdefault(_slot(key), []).append(index)
+        return [
+            (self._endpoint_of(self._nodes.get_node_from_slot(slot)), indices)
+            for slot, indices in by_slot.items()
+        ]
+
+    def run_for_key(self, key: str, make_exchange: Callable[[Endpoint], Callable[[Any], T]]) -> T:
+        """Run an exchange on ``key``'s primary, following MOVED and ASK."""
+        asking: Endpoint | None = None
+        failed = False
+        for _ in range(self.MAX_REDIRECTS + 1):
+            endpoint = asking or self.endpoint_for(key)
+            exchange = make_exchange(endpoint)
+            if asking is not None:
+                exchange = _after_asking(exchange, endpoint.encoding)
+
+            try:
+                return endpoint.run(exchange)
+            except MovedError:
+                asking = None
+                self.refresh()
+            except AskError as error:
+                node = self._nodes.get_node(host=error.host, port=error.port)
+                if node is None:
+                    self.refresh()
+                    node = self._nodes.get_node(host=error.host, port=error.port)
+                asking = None if node is None else self._endpoint_of(node)
+            except (ConnectionError, TimeoutError):
+                # The endpoint already retried; one more try after a refresh,
+                # in case a failover moved the slot to another node.
+                if failed:
+                    raise
+                failed, asking = True, None
+                self.refresh()
+        raise ResponseError(f"too many cluster redirections for key {key!r}")
+
+    def refresh(self) -> None:
+        """Read the slot map again (after a MOVED reply or a failed node)."""
+        self._nodes.initialize()
+
+    def close(self) -> None:
+        """Disconnect every node's idle connections."""
+        for endpoint in self._by_node.values():
+            endpoint.close()
+
+
+def _after_asking(exchange: Callable[[Any], T], encoding: str) -> Callable[[Any], T]:
+    """The exchange preceded by ``ASKING`` (the next command may use an importing slot)."""
+    asking = pack_command(("ASKING",), encoding)
+
+    def run(connection: Any) -> T:
+        _send_and_read(connection, asking, 1)
+        return exchange(connection)
+
+    return run
+
+
+def _slot(key: str) -> int:
+    return int(key_slot(key.encode()))

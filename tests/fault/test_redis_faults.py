@@ -230,3 +230,73 @@ def test_eviction_under_volatile_ttl_is_reported(
     assert lock.handle is not None and lock.handle.lost_reason == "gone"
     print(f"\n[measured] volatile-ttl evicted {evicted} keys, the lock among the first")
     lock.release()
+
+
+def test_a_late_acquire_reply_is_taken_over_by_the_executions_own_retry(
+    app_factory: Any, redis_server_factory: Any, record: redis.Redis
+) -> None:
+    """Redis frozen: the acquire gives up, but its script runs once Redis thaws.
+
+    The key then holds the execution's own earlier value. Its backoff retry
+    must take that value over, not contend with itself (policy raise would
+    fail the task with LockContended naming itself).
+    """
+    store_server: RedisServer = redis_server_factory()
+    app: Celery = app_factory(
+        redislock_url=store_server.url,
+        redislock_on_contention="raise",
+        redislock_redis_options={"socket_timeout": 0.5, "socket_connect_timeout": 0.5},
+    )
+
+    @app.task(base=SingletonTask, bind=True, shared=False)
+    def job(self: Any) -> str:
+        record.rpush("runs", self.request.id)
+        return "ran"
+
+    with embedded_worker(app, "threads", 2):
+        job.delay().get(timeout=20)  # connections open before the freeze
+        record.delete("runs")
+        store_server.pause()
+        try:
+            result = job.delay()
+            wait_until(lambda: result.state == "RETRY", timeout=30, message="a backoff retry")
+        finally:
+            store_server.resume()
+        key = job.lock_key_for((), {})
+        # The frozen attempt's script ran after all: the key holds its value.
+        wait_until(lambda: store_server.client(0).exists(key), timeout=5)
+        assert result.get(timeout=30) == "ran"
+    assert record.lrange("runs", 0, -1) == [result.id]
+    assert store_server.client(0).exists(key) == 0
+
+
+def test_acquire_gives_up_on_a_frozen_store_within_the_stated_bound(
+    app_factory: Any, redis_server_factory: Any, record: redis.Redis
+) -> None:
+    """README: an acquire gives up within (retries + 1) x (connect + socket timeout)
+    + retries x 0.2 s, with the package's 2 client retries."""
+    timeout = 1.0
+    bound = (2 + 1) * (timeout + timeout) + 2 * 0.2
+    store_server: RedisServer = redis_server_factory()
+    app: Celery = app_factory(
+        redislock_url=store_server.url,
+        redislock_backend_error_max_retries=0,
+        redislock_redis_options={"socket_timeout": timeout, "socket_connect_timeout": timeout},
+    )
+
+    @app.task(base=SingletonTask, shared=False)
+    def job() -> None:
+        record.incr("runs")
+
+    store_server.pause()
+    try:
+        with embedded_worker(app, "threads", 1):
+            started = time.monotonic()
+            with pytest.raises(Exception, match="unavailable"):
+                job.delay().get(timeout=60)
+            took = time.monotonic() - started
+    finally:
+        store_server.resume()
+    print(f"\n[measured] frozen store: acquire gave up after {took:.2f}s (bound {bound:.1f}s)")
+    assert took <= bound + 0.5
+    assert record.get("runs") is None

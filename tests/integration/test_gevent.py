@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -50,3 +51,64 @@ def test_renewer_runs_while_a_greenlet_hogs_the_cpu(server: RedisServer) -> None
     renewals, lost, exists = out.stdout.split()
     assert int(renewals) >= 5
     assert (lost, exists) == ("False", "1")
+
+
+GREENLETS = textwrap.dedent(
+    """
+    from gevent import monkey
+    monkey.patch_all()
+
+    import json, logging, random, sys
+    import gevent
+    import redis
+    from celery_redislock import RedisLock, lock_released
+
+    class Count(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.WARNING)
+            self.messages = []
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    complaints = Count()
+    logging.getLogger("celery_redislock").addHandler(complaints)
+    outcomes = []
+    lock_released.connect(lambda sender=None, **kw: outcomes.append(kw["outcome"]), weak=False)
+    client = redis.Redis.from_url(sys.argv[1])
+
+    def cycles(n):
+        for i in range(20):
+            lock = RedisLock(client, f"gevent:{n}:{i % 3}", ttl=0.3)
+            assert lock.acquire(blocking=False)
+            gevent.sleep(random.uniform(0.0, 0.25))  # some holds outlive TTL/3: renewed
+            lock.release()
+
+    gevent.joinall([gevent.spawn(cycles, n) for n in range(50)], raise_error=True)
+    left = [key.decode() for key in client.scan_iter("gevent:*")]
+    print(json.dumps({
+        "released": outcomes.count("released"),
+        "other_outcomes": [o for o in outcomes if o != "released"],
+        "complaints": complaints.messages[:5],
+        "complaint_count": len(complaints.messages),
+        "keys_left": left,
+    }))
+    """
+)
+
+
+def test_greenlets_and_the_native_renewer_never_share_a_connection(server: RedisServer) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", GREENLETS, server.url_for(LOCK_DB)],
+        capture_output=True,
+        text=True,
+        cwd=str(ROOT),
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"\n[measured] gevent 50 greenlets x 20 cycles: {result['released']} releases")
+    assert result["released"] == 1000
+    assert result["other_outcomes"] == []
+    assert result["complaint_count"] == 0, result["complaints"]
+    assert result["keys_left"] == []

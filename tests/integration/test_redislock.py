@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,6 +17,8 @@ from celery_redislock import (
     RedisLock,
     ReleaseOutcome,
 )
+from tests.conftest import LOCK_DB
+from tests.servers import RedisServer
 
 
 def test_context_manager_acquires_and_releases(lock_client: redis.Redis) -> None:
@@ -105,3 +109,30 @@ def test_bad_ttl_is_rejected(lock_client: redis.Redis, ttl: object) -> None:
 def test_bad_name_is_rejected(lock_client: redis.Redis) -> None:
     with pytest.raises(ConfigurationError, match="name"):
         RedisLock(lock_client, "")
+
+
+def test_short_lived_clients_leave_no_file_descriptors_or_objects_behind(
+    server: RedisServer,
+) -> None:
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    def live(kind: type) -> int:
+        return sum(1 for obj in gc.get_objects() if isinstance(obj, kind))
+
+    def one_client(n: int, close: bool) -> None:
+        client = server.client(LOCK_DB)
+        with RedisLock(client, f"short-lived:{n}", ttl=5):
+            pass
+        if close:
+            client.close()
+
+    one_client(-1, True)  # warm-up: the renewer thread and module state exist from here
+    gc.collect()
+    fds, clients, pools = open_fds(), live(redis.Redis), live(redis.ConnectionPool)
+    for n in range(1000):
+        one_client(n, close=n % 2 == 0)  # half are closed, half just dropped
+    gc.collect()
+    print(f"\n[measured] 1,000 short-lived clients: fds {fds} -> {open_fds()}")
+    assert open_fds() <= fds + 2
+    assert live(redis.Redis) <= clients and live(redis.ConnectionPool) <= pools

@@ -73,6 +73,40 @@ def hard_limited(self: Any, name: str) -> None:
     time.sleep(60)
 
 
+def _alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie has ended: its code runs no more)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+@app.task(
+    base=SingletonTask,
+    bind=True,
+    lock_args=("name",),
+    time_limit=1.5,
+    lock_on_contention=Wait(timeout=60),
+)
+def limited_with_cleanup(self: Any, name: str, role: str) -> str:
+    """The first run outlives its hard time limit; its ``finally`` takes 50 ms."""
+    events = f"events:{name}"
+    record().rpush(events, f"start:{role}")
+    if role != "first":
+        first_pid = int(record().get(f"first-pid:{name}") or 0)
+        record().set(f"first-alive-at-duplicate-start:{name}", int(_alive(first_pid)))
+        return role
+    record().set(f"first-pid:{name}", os.getpid())
+    record().hset(f"started:{self.request.id}", mapping={"pid": os.getpid(), "key": self.lock.key})
+    try:
+        time.sleep(60)
+    finally:
+        time.sleep(0.05)  # within billiard's 0.1 s SIGTERM grace
+        record().rpush(events, f"end:{role}")
+    return role
+
+
 @app.task(base=SingletonTask, bind=True, lock_args=("key",), lock_on_contention=Wait(timeout=120))
 def exclusive(self: Any, key: str, n: int) -> int:
     """Count concurrent bodies per key with a Redis gauge and log intervals."""
@@ -107,6 +141,31 @@ def fragile(self: Any, name: str) -> int:
     if self.request.retries == 0:
         time.sleep(60)
     return int(self.request.retries)
+
+
+@app.task(
+    base=SingletonTask,
+    bind=True,
+    lock_args=("name",),
+    lock_enqueue=True,
+    retry_on_worker_lost=True,
+    max_retries=0,
+)
+def fragile_out_of_retries(self: Any, name: str) -> int:
+    """Like ``fragile``, but Celery will not re-send it: its retries are spent."""
+    record().hset(
+        f"started:{self.request.id}:{self.request.retries}",
+        mapping={"pid": os.getpid(), "key": self.lock.key},
+    )
+    time.sleep(60)
+    return 0
+
+
+@app.task(base=SingletonTask, bind=True, lock_args=("name",), lock_ttl=0.6)
+def green_hold(self: Any, name: str, seconds: float) -> int:
+    """Under the gevent pool: hold the lock past TTL/3, so the native renewer renews it."""
+    time.sleep(seconds)  # patched by gevent: the greenlet yields
+    return int(self.lock.renewals)
 
 
 @app.task(base=SingletonTask, lock_args=())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -178,15 +179,36 @@ def test_lock_value_records_attempt_and_pid_for_the_parent(cluster: Cluster) -> 
     result.get(timeout=20)
 
 
+@contextlib.contextmanager
+def worker_app_pointed_at(cluster: Cluster) -> Iterator[Celery]:
+    """Publish through the tasks' own apply_async (the enqueue lock) from this process.
+
+    Points the imported worker app at this test's server for the duration,
+    dropping what Celery cached for the previous server (the producer pool
+    and the result backend).
+    """
+    app = worker_app.app
+    keys = ("broker_url", "result_backend", "redislock_url")
+    saved = {k: app.conf[k] for k in keys}
+
+    def reset() -> None:
+        forget_app_settings(app)
+        app._after_fork()  # the producer pool
+        app._backend_cache = None
+        app._local = threading.local()  # the result backend
+
+    app.conf.update({k: cluster.producer.conf[k] for k in keys})
+    reset()
+    try:
+        yield app
+    finally:
+        app.conf.update(saved)
+        reset()
+
+
 def test_retry_on_worker_lost_keeps_the_enqueue_lock_for_the_resent_task(cluster: Cluster) -> None:
     cluster.worker(ttl=30)
-    # Publish through the task's own apply_async (the enqueue lock), pointing
-    # the imported example app at this test's server for the duration.
-    app = worker_app.app
-    saved = {k: app.conf[k] for k in ("broker_url", "result_backend", "redislock_url")}
-    app.conf.update({k: cluster.producer.conf[k] for k in saved})
-    forget_app_settings(app)
-    try:
+    with worker_app_pointed_at(cluster):
         fragile = worker_app.fragile
         result = fragile.delay("lost")
         info = wait_until(lambda: cluster.record.hgetall(f"started:{result.id}:0"), timeout=20)
@@ -197,6 +219,58 @@ def test_retry_on_worker_lost_keeps_the_enqueue_lock_for_the_resent_task(cluster
         assert fragile.delay("lost").id == result.id
         assert result.get(timeout=30) == 1
         assert cluster.locks.exists(info["key"]) == 0
-    finally:
-        app.conf.update(saved)
-        forget_app_settings(app)
+
+
+def test_hard_time_limit_never_frees_the_key_while_the_child_still_runs(cluster: Cluster) -> None:
+    """billiard calls the parent's failure handler before it kills the child.
+
+    A duplicate waiting for the key must not start before the first run's
+    process has ended (its ``finally`` writes ``end:first``).
+    """
+    cluster.worker(ttl=30, concurrency=2)
+    first = cluster.send("limited_with_cleanup", "overlap", "first")
+    cluster.started(first.id)
+    duplicate = cluster.send("limited_with_cleanup", "overlap", "duplicate")
+    with pytest.raises(Exception, match="TimeLimitExceeded"):
+        first.get(timeout=30)
+    assert duplicate.get(timeout=30) == "duplicate"
+    events = cluster.record.lrange("events:overlap", 0, -1)
+    print(f"\n[measured] hard time limit: events {events}")
+    if "end:first" in events:
+        # The first run's finally finished within billiard's grace and
+        # released: the duplicate started after it.
+        assert events == ["start:first", "end:first", "start:duplicate"], events
+    else:
+        # SIGKILL cut the finally short: the parent released only after the
+        # child had exited.
+        assert events == ["start:first", "start:duplicate"], events
+        assert cluster.record.get("first-alive-at-duplicate-start:overlap") == "0"
+
+
+@pytest.mark.parametrize("signame", ["SIGKILL", "SIGTERM"])
+def test_terminate_revoke_frees_the_key_before_revoked_is_stored(
+    cluster: Cluster, signame: str
+) -> None:
+    """result.get() returning (here: REVOKED) means the lock is free."""
+    cluster.worker(ttl=30)
+    first = cluster.send("hold", f"revoke-{signame}", 60)
+    key = cluster.started(first.id)["key"]
+    sent = time.monotonic()
+    cluster.producer.control.revoke(first.id, terminate=True, signal=signame)
+    wait_until(lambda: first.state == "REVOKED", timeout=15, interval=0.005)
+    held = cluster.locks.exists(key)
+    print(f"\n[measured] revoke {signame}: REVOKED {time.monotonic() - sent:.3f}s, key held {held}")
+    assert held == 0
+
+
+def test_retry_on_worker_lost_out_of_retries_frees_the_key(cluster: Cluster) -> None:
+    """Celery does not re-send (max_retries reached): no queued task may keep the key."""
+    cluster.worker(ttl=30)
+    with worker_app_pointed_at(cluster):
+        task = worker_app.fragile_out_of_retries
+        result = task.delay("spent")
+        info = wait_until(lambda: cluster.record.hgetall(f"started:{result.id}:0"), timeout=20)
+        os.kill(int(info["pid"]), signal.SIGKILL)
+        wait_until(lambda: result.state == "FAILURE", timeout=20, interval=0.005)
+        assert cluster.locks.exists(info["key"]) == 0
+        assert task.delay("spent").id != result.id

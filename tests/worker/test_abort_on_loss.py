@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -14,6 +15,8 @@ from tests.conftest import embedded_worker
 from tests.servers import wait_until
 
 pytestmark = pytest.mark.worker
+
+ITERATIONS = int(os.environ.get("REDISLOCK_ABORT_RACE_ITERATIONS", "3000"))
 
 
 def test_abort_interrupts_a_blocking_body_in_the_main_thread(
@@ -92,3 +95,81 @@ def test_a_finished_execution_is_never_hit_by_a_late_abort(
 
     with embedded_worker(app, "solo"):
         assert [quick.delay(n).get(timeout=20) for n in range(20)] == list(range(20))
+
+
+def test_a_threads_pool_abort_never_reaches_code_outside_its_execution(
+    app: Celery, lock_client: redis.Redis
+) -> None:
+    """The renewer's abort races the end of the execution it was meant for.
+
+    A non-main thread runs executions back to back, as the threads pool
+    does; another thread marks each execution's lock lost (as the renewer
+    would) at a random moment around the end of its body. LockLost may end
+    the execution it was sent for, never the code after it or the next one.
+    """
+    import random
+    import threading
+
+    @app.task(base=SingletonTask, bind=True, shared=False, lock_ttl=30, lock_on_lost="abort")
+    def job(self: Any, n: int) -> int:
+        current["handle"] = self.lock
+        spin = time.perf_counter() + random.uniform(0, 0.0002)
+        while time.perf_counter() < spin:
+            pass
+        return n
+
+    current: dict[str, Any] = {}
+    done = threading.Event()
+    leaks: list[str] = []
+    aborted = 0
+
+    def chaos() -> None:
+        seen = None
+        while not done.is_set():
+            handle = current.get("handle")
+            if handle is None or handle is seen:
+                continue
+            seen = handle
+            end = time.perf_counter() + random.uniform(0, 0.0006)
+            while time.perf_counter() < end:
+                pass
+            handle._mark_lost("gone")  # what the renewer does on loss
+
+    def executions() -> None:
+        nonlocal aborted
+        for n in range(ITERATIONS):
+            job.push_request(id=f"t{n}", retries=0, hostname="w@h", called_directly=False)
+            try:
+                try:
+                    job(n)
+                except LockLost:
+                    aborted += 1  # ended its own execution: allowed
+                finally:
+                    job.pop_request()
+                # Code after the execution (Celery's trace, the next task): no
+                # abort may land here.
+                spin = time.perf_counter() + 0.0005
+                while time.perf_counter() < spin:
+                    pass
+            except LockLost as exc:
+                leaks.append(f"after execution {n}: {exc}")
+            # An abort landing inside the release would cut it short: key left.
+            if lock_client.exists(job.lock_key_for((n,), {})):
+                leaks.append(f"execution {n} left its key behind")
+
+    import sys
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # interleave the two threads finely, as a busy worker does
+    try:
+        spinner = threading.Thread(target=chaos, daemon=True)
+        spinner.start()
+        worker = threading.Thread(target=executions)
+        worker.start()
+        worker.join(120)
+        done.set()
+        spinner.join(5)
+    finally:
+        sys.setswitchinterval(interval)
+    print(f"\n[measured] {ITERATIONS} executions, {aborted} aborted inside, {len(leaks)} leaked")
+    assert leaks == [], leaks[:5]

@@ -151,3 +151,47 @@ def test_store_refusing_scripts_fails_visibly(app_factory: Any, redis_server_fac
         pytest.raises(LockBackendError, match="must allow EVAL"),
     ):
         job.delay().get(timeout=20)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://:s3cret-pw@127.0.0.1:notaport/0",  # malformed: the error quotes the URL
+        "redis://user:s3cret-pw@127.0.0.1:1/0",  # unreachable
+        "sentinel://:s3cret-pw@127.0.0.1:1,127.0.0.1:2/mymaster",  # no sentinel answers
+    ],
+)
+def test_the_password_never_appears_in_errors_or_logs(
+    app_factory: Any, caplog: pytest.LogCaptureFixture, url: str
+) -> None:
+    app = app_factory(
+        redislock_url=url,
+        redislock_backend_error_max_retries=0,
+        redislock_redis_options={"socket_timeout": 0.3, "socket_connect_timeout": 0.3},
+    )
+
+    @app.task(base=SingletonTask, shared=False)
+    def job() -> None: ...
+
+    caplog.set_level("DEBUG")
+    with pytest.raises(Exception) as info:  # the type depends on the fault
+        job.apply().get()
+    assert "s3cret-pw" not in str(info.value)
+    assert "127.0.0.1" in str(info.value)  # still says where
+    assert "s3cret-pw" not in caplog.text
+
+
+def test_eager_mode_says_it_retries_at_once(app: Celery, caplog: pytest.LogCaptureFixture) -> None:
+    app.conf.redislock_url = "redis://127.0.0.1:1/0"
+    app.conf.redislock_backend_error_max_retries = 2
+
+    @app.task(base=SingletonTask, shared=False)
+    def job() -> None: ...
+
+    caplog.set_level("WARNING", logger="celery_redislock")
+    with pytest.raises(LockBackendError):
+        job.apply().get()
+    retries = [r.getMessage() for r in caplog.records if "retr" in r.getMessage()]
+    assert len(retries) == 3 and "gives up" in retries[-1]
+    for message in retries[:2]:
+        assert "at once" in message and "will retry in" not in message, message

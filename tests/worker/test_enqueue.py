@@ -11,7 +11,7 @@ import pytest
 import redis
 from celery import Celery, chain, group
 
-from celery_redislock import AlreadyQueued, Retry, SingletonTask, is_skipped
+from celery_redislock import AlreadyQueued, Retry, SingletonTask, Wait, is_skipped
 from celery_redislock.task import QUEUED_TOKEN_HEADER
 from tests.conftest import BROKER_DB, embedded_worker
 from tests.helpers import decoded, hold_lock
@@ -274,3 +274,76 @@ def test_token_header_of_another_task_is_not_adopted(app: Celery, lock_client: r
     # A message forging another task's queued value must not take its lock.
     result = job.apply(headers={QUEUED_TOKEN_HEADER: value})
     assert is_skipped(result.get())
+
+
+@pytest.mark.parametrize(
+    "policy", [Retry(jitter=0.2), Wait(timeout=0.1, then=Retry(jitter=0.2))], ids=["retry", "wait"]
+)
+def test_a_lock_retry_is_published_even_while_the_key_is_held(
+    app: Celery, record: redis.Redis, policy: Any
+) -> None:
+    """A contended duplicate's re-send goes through apply_async: it must not be deduplicated."""
+
+    @app.task(
+        base=SingletonTask,
+        bind=True,
+        shared=False,
+        name="enq.retried",
+        lock_enqueue=True,
+        lock_ttl=3,
+        lock_on_contention=policy,
+    )
+    def job(self: Any) -> str:
+        record.rpush("runs", self.request.id)
+        if record.get("hold") is None:
+            record.set("hold", 1)
+            wait_until(lambda: record.get("go"), timeout=30)
+        return self.request.id
+
+    with embedded_worker(app, "threads", 2):
+        holder = job.delay()
+        wait_until(lambda: record.get("hold"), timeout=20)
+        duplicate = app.send_task("enq.retried")  # bypasses apply_async: no enqueue lock
+        wait_until(lambda: app.AsyncResult(duplicate.id).state == "RETRY", timeout=20)
+        threading.Timer(2.0, lambda: record.set("go", 1)).start()
+        assert holder.get(timeout=20) == holder.id
+        assert duplicate.get(timeout=20) == duplicate.id  # re-sent, then ran once
+    assert record.lrange("runs", 0, -1) == [holder.id, duplicate.id]
+
+
+def test_a_naive_eta_is_read_as_utc_as_celery_reads_it(
+    app: Celery, lock_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import datetime
+    import time
+
+    @app.task(base=SingletonTask, shared=False, lock_enqueue=True, lock_enqueue_ttl=10)
+    def job(n: int) -> int:
+        return n
+
+    monkeypatch.setenv("TZ", "Asia/Tokyo")  # local time 9 h ahead of UTC
+    time.tzset()
+    try:
+        eta = datetime.datetime.now(datetime.timezone.utc).replace(tzinfo=None)
+        job.apply_async((1,), eta=eta + datetime.timedelta(seconds=120))
+    finally:
+        monkeypatch.delenv("TZ")
+        time.tzset()
+    # Celery runs it 120 s from now: the queued key must last that long too.
+    assert lock_client.pttl(job.lock_key_for((1,), {})) > (10 + 110) * 1000
+
+
+def test_a_release_retried_after_a_hand_over_reports_released(lock_client: redis.Redis) -> None:
+    """The first attempt's reply was lost after it handed the key over."""
+    from celery_redislock.backend import LockBackend, ReleaseOutcome
+
+    backend = LockBackend.for_client(lock_client)
+    assert backend.acquire("handed", "running-value", 30_000).acquired
+    assert backend.release("handed", "running-value", "queued-value", 30_000) == (
+        ReleaseOutcome.RELEASED
+    )
+    # The same release sent again (a client retry) finds the hand-over done.
+    assert backend.release("handed", "running-value", "queued-value", 30_000) == (
+        ReleaseOutcome.RELEASED
+    )
+    assert lock_client.get("handed") == b"queued-value"

@@ -1,0 +1,71 @@
+"""The same message delivered twice: the idempotency window and redelivery."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_redislock import SingletonTask, lock_contended
+from celery_redislock.backend import RENEW_SCRIPT
+from tests.conftest import embedded_worker
+from tests.servers import wait_until
+
+pytestmark = pytest.mark.worker
+
+
+def test_a_second_delivery_of_a_succeeded_task_is_dropped_inside_its_window(
+    app: Celery, record: redis.Redis, pool: str
+) -> None:
+    """acks_late and a crash before the ack, or the broker's visibility timeout:
+    the message comes again with the same task id after its run succeeded."""
+    window = 3.0
+
+    @app.task(
+        base=SingletonTask,
+        bind=True,
+        shared=False,
+        name="redelivery.job",
+        lock_hold_after_success=window,
+    )
+    def job(self: Any, n: int) -> str:
+        record.rpush("runs", self.request.id)
+        return f"first result {n}"
+
+    def seen(sender: Any = None, **kwargs: Any) -> None:
+        record.rpush("contended", kwargs["policy"])
+
+    lock_contended.connect(seen, weak=False)
+    try:
+        with embedded_worker(app, pool, 2):
+            first = app.send_task("redelivery.job", (1,), task_id="delivered-twice")
+            assert first.get(timeout=20) == "first result 1"
+            again = app.send_task("redelivery.job", (1,), task_id="delivered-twice")
+            wait_until(lambda: record.llen("contended"), timeout=20)
+            # Past the window: a copy that was re-sent to wait it out would run now.
+            time.sleep(window + 1.5)  # observation window: nothing may happen in it
+            assert again.get(timeout=5) == "first result 1"
+    finally:
+        lock_contended.disconnect(seen)
+    assert record.lrange("runs", 0, -1) == ["delivered-twice"]
+    assert record.lrange("contended", 0, -1) == ["already_succeeded"]
+
+
+def test_a_renewal_in_flight_at_release_cannot_shorten_the_window(
+    app: Celery, record: redis.Redis, lock_client: redis.Redis
+) -> None:
+    @app.task(base=SingletonTask, bind=True, shared=False, lock_hold_after_success=3600)
+    def job(self: Any) -> None:
+        record.set("key", self.lock.key)
+        record.set("value", self.lock.value)
+
+    with embedded_worker(app, "threads", 1):
+        job.delay().get(timeout=20)
+    key, running_value = record.get("key"), record.get("value")
+    assert lock_client.pttl(key) > 3_500_000
+    # A renewal sent just before the release, arriving just after it.
+    lock_client.eval(RENEW_SCRIPT, 1, key, running_value, 30_000)
+    assert lock_client.pttl(key) > 3_500_000, "the window was cut to the lock TTL"

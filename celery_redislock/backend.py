@@ -609,6 +609,28 @@ class LockBackend:
                     wait = min(wait, result.ttl_remaining + 0.005)
                 sub.wait(max(wait, 0.001))
 
+    def wait_released(self, key: str, owner_prefix: str, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds until ``key`` no longer holds a value of this owner.
+
+        Woken by the release notification (a subscription of its own), not
+        by polling. Returns True once released (or taken by someone else).
+
+        Raises:
+            LockBackendError: Redis is unreachable.
+        """
+        deadline = clock() + timeout
+        endpoint = self._topology(_Kind.COMMANDS).endpoint_for(key)
+        prefix = owner_prefix.encode(endpoint.encoding)
+        with self._errors("wait for", key), Subscription(endpoint, release_channel(key)) as sub:
+            while True:
+                value = endpoint.call("GET", key)
+                if value is None or not value.startswith(prefix):
+                    return True
+                remaining = deadline - clock()
+                if remaining <= 0:
+                    return False
+                sub.wait(remaining)
+
     def release(self, key: str, value: str, keep: str = "", keep_ms: int = 0) -> ReleaseOutcome:
         """Delete the lock if it still holds ``value`` exactly.
 

@@ -631,7 +631,10 @@ class _Execution:
         self.request = request = task.request
         if request.is_eager:
             # apply() passes the caller's objects; a worker gets them decoded.
-            args, kwargs = task._as_received(args, kwargs, task.serializer)
+            # Eager mode never serializes, so arguments the serializer refuses
+            # (a set under JSON) are keyed as they are rather than refused.
+            with contextlib.suppress(LockKeyError):
+                args, kwargs = task._as_received(args, kwargs, task.serializer)
         self.key = task._key(settings, args, kwargs)
         owner = LockOwner.current(request.id, request.retries or 0, request.hostname)
         self.value = LockValue.new(owner, task.name).encode()

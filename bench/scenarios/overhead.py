@@ -1,0 +1,80 @@
+"""Scenario 1: per-task overhead, end to end, against a plain task and the peers."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import redis
+
+from bench.harness import count_round_trips, reset_peer_globals, worker
+from bench.report import Report
+from tests.servers import RedisServer, wait_until
+
+
+def per_task_overhead(report: Report, rounds: int, n: int, contenders: list[str]) -> None:
+    broker, locks = RedisServer(), RedisServer()
+    os.environ["BENCH_BROKER_URL"], os.environ["BENCH_LOCK_URL"] = broker.url, locks.url
+    import importlib
+
+    from bench import tasks
+
+    tasks = importlib.reload(tasks)
+    reset_peer_globals()
+    tasks.app.conf.update(broker_url=f"{broker.url}/0", redislock_url=f"{locks.url}/0")
+    counter = broker.client(3)
+    try:
+        for pool, concurrency in (("threads", 4), ("prefork", 2)):
+            scenario = f"1. per-task overhead ({pool} -c {concurrency}, {n} no-op tasks)"
+            for round_no in range(rounds):
+                with worker(broker, locks, pool, concurrency):
+                    order = (
+                        contenders[round_no % len(contenders) :]
+                        + contenders[: round_no % len(contenders)]
+                    )
+                    rates: dict[str, float] = {}
+                    for contender in order:
+                        rates[contender] = _drain(tasks, contender, n, counter, locks, round_no)
+                    for contender in contenders:
+                        report.add(
+                            scenario,
+                            contender,
+                            "throughput",
+                            "tasks/s",
+                            rates[contender],
+                            rates[contender] / rates["plain"],
+                        )
+                    if round_no == 0:
+                        for contender in contenders:
+                            trips = count_round_trips(
+                                locks, lambda c=contender: _drain(tasks, c, 200, counter, locks, 99)
+                            )
+                            report.add(
+                                scenario,
+                                contender,
+                                "lock-store round trips per task",
+                                "commands",
+                                trips / 200,
+                            )
+                print(
+                    f"  {pool} round {round_no + 1}/{rounds}: "
+                    + ", ".join(f"{c} {rates[c]:.0f}/s" for c in contenders),
+                    flush=True,
+                )
+    finally:
+        broker.close()
+        locks.close()
+
+
+def _drain(
+    tasks: Any, contender: str, n: int, counter: redis.Redis, locks: RedisServer, round_no: int
+) -> float:
+    task = tasks.app.tasks[f"bench.{contender}"]
+    counter.set("done", 0)
+    locks.client().flushall()
+    started = time.perf_counter()
+    for i in range(n):
+        task.apply_async((round_no * 10_000_000 + i,))
+    wait_until(lambda: int(counter.get("done") or 0) >= n, timeout=600, interval=0.002)
+    return n / (time.perf_counter() - started)

@@ -249,7 +249,11 @@ def main() -> None:
     lock_storm(client, truth, cycles, counts)
     task_storm(url, truth, cycles, counts)
     # The renewer must still hold every kept lock, and never have complained.
-    time.sleep(0.35)  # one more renewal period, to let a late mix-up show
+    # Two more renewal round trips, to let a late mix-up show.
+    trips = renewer().round_trips
+    deadline = time.monotonic() + 10
+    while renewer().round_trips < trips + 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
     counts["kept_lost"] = sum(1 for lock in kept if lock.lost or not lock.owned)
     counts["kept_missing"] = sum(
         1

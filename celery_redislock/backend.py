@@ -31,7 +31,7 @@ from urllib.parse import unquote, urlsplit
 import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.cluster import RedisCluster
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ConnectionError, RedisError, ResponseError, TimeoutError
 from redis.retry import Retry
 from redis.sentinel import Sentinel
 
@@ -49,7 +49,7 @@ from celery_redislock.transport import (
     connection_settings,
     pack_command,
 )
-from celery_redislock.urls import mask_url
+from celery_redislock.urls import has_credentials, mask_url
 
 __all__ = [
     "AcquireResult",
@@ -175,6 +175,8 @@ _RENEW = Script(RENEW_SCRIPT)
 
 #: Keys per renewal script call: bounds how long one call blocks Redis.
 RENEW_CHUNK_SIZE = 500
+#: Times one wait subscribes again after its subscription dropped.
+_RESUBSCRIPTIONS = 3
 
 
 def fence_key(key: str) -> str:
@@ -256,6 +258,14 @@ def _text(value: Any, encoding: str) -> str:
 _SHARED: weakref.WeakKeyDictionary[Any, LockBackend] = weakref.WeakKeyDictionary()
 _SHARED_GUARD = threading.Lock()
 
+
+def _new_shared_guard() -> None:
+    global _SHARED_GUARD
+    _SHARED_GUARD = threading.Lock()  # it may have been held by another thread at the fork
+
+
+os.register_at_fork(after_in_child=_new_shared_guard)
+
 _DEFAULT_OPTIONS: Mapping[str, Any] = {
     # Bounded, so a hung Redis can never hang a task forever.
     "socket_timeout": 5.0,
@@ -326,8 +336,17 @@ def _build_client(url: str, options: Mapping[str, Any]) -> redis.Redis | RedisCl
             return RedisCluster.from_url(f"{base}://{rest}", **options)
         return redis.Redis.from_url(url, **options)
     except (ValueError, TypeError) as exc:
-        detail = str(exc).replace(url, mask_url(url))
-        raise LockBackendError(f"cannot use redislock_url {mask_url(url)!r}: {detail}") from exc
+        if has_credentials(url):
+            # redis-py's message may quote a piece of a password it misparsed.
+            detail = (
+                f"it is not a valid Redis URL ({type(exc).__name__}); check the host, port "
+                "and database number, and percent-encode / ? # and @ in the password"
+            )
+        else:
+            detail = str(exc)
+        error = LockBackendError(f"cannot use redislock_url {mask_url(url)!r}: {detail}")
+        # Not chained when credentials are present: the cause quotes the URL.
+        raise error from (None if has_credentials(url) else exc)
 
 
 class _Kind(enum.Enum):
@@ -426,6 +445,8 @@ class LockBackend:
             if client is None:
                 raise LockBackendError("the client this lock was made with has been closed")
             return client  # type: ignore[no-any-return]
+        if self._pid != os.getpid():
+            self._after_fork()
         if self._client is None:
             with self._client_guard:
                 if self._client is None:
@@ -434,13 +455,18 @@ class LockBackend:
                     self._client = _build_client(self.url, options)
         return self._client
 
+    def _after_fork(self) -> None:
+        # A forked child never uses its parent's connections, nor its guards:
+        # another thread of the parent may have held one at the fork.
+        self._guard, self._client_guard = threading.Lock(), threading.Lock()
+        self._topologies, self._pid = {}, os.getpid()
+
     def _url_source(self) -> Any:
         return _client_source(self.client)()
 
     def _topology(self, kind: _Kind) -> Topology:
         if self._pid != os.getpid():
-            # A forked child never uses its parent's connections.
-            self._topologies, self._pid = {}, os.getpid()
+            self._after_fork()
         topology = self._topologies.get(kind)
         if topology is None:
             with self._guard:
@@ -598,16 +624,29 @@ class LockBackend:
         """
         deadline = clock() + timeout
         endpoint = self._topology(_Kind.COMMANDS).endpoint_for(key)
-        with self._errors("wait for", key), Subscription(endpoint, release_channel(key)) as sub:
+        dropped = 0
+        with self._errors("wait for", key):
             while True:
-                result = self.acquire(key, value, ttl_ms, adopt, min_replicas, replicas_timeout)
-                remaining = deadline - clock()
-                if result.acquired or remaining <= 0:
-                    return result
-                wait = remaining
-                if result.ttl_remaining is not None:
-                    wait = min(wait, result.ttl_remaining + 0.005)
-                sub.wait(max(wait, 0.001))
+                try:
+                    with Subscription(endpoint, release_channel(key)) as sub:
+                        while True:
+                            result = self.acquire(
+                                key, value, ttl_ms, adopt, min_replicas, replicas_timeout
+                            )
+                            remaining = deadline - clock()
+                            if result.acquired or remaining <= 0:
+                                return result
+                            wait = remaining
+                            if result.ttl_remaining is not None:
+                                wait = min(wait, result.ttl_remaining + 0.005)
+                            sub.wait(max(wait, 0.001))
+                except (ConnectionError, TimeoutError):
+                    # The subscription dropped (a restart, a failover, a
+                    # client kill): subscribe again. The acquire that follows
+                    # a new subscription sees any release that came between.
+                    dropped += 1
+                    if dropped > _RESUBSCRIPTIONS:
+                        raise
 
     def wait_released(self, key: str, owner_prefix: str, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds until ``key`` no longer holds a value of this owner.

@@ -11,6 +11,7 @@ clients, so two apps in one process can use two lock stores.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Mapping
@@ -120,6 +121,14 @@ class AppSettings:
 
 _CACHE: weakref.WeakKeyDictionary[Celery, AppSettings] = weakref.WeakKeyDictionary()
 _CACHE_GUARD = threading.Lock()
+
+
+def _new_cache_guard() -> None:
+    global _CACHE_GUARD
+    _CACHE_GUARD = threading.Lock()  # it may have been held by another thread at the fork
+
+
+os.register_at_fork(after_in_child=_new_cache_guard)
 
 
 def _get(app: Celery, name: str) -> Any:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import logging
 import os
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -107,6 +109,7 @@ class LockHandle:
         self.abort_sent_to: int | None = None
         self.renewals = 0
         self._release_done = False
+        self._release_sent = False
         self._pid = os.getpid()
         self._renewing = False
         self._on_lost: list[Callable[[LockHandle], None]] = []
@@ -268,6 +271,9 @@ class LockHandle:
         if self._renewing:
             renewer().unregister(self)
             self._renewing = False
+        # A release sent again after an exception cut off the first one's
+        # reply: "already gone" then means the first one worked.
+        resent, self._release_sent = self._release_sent, True
         try:
             if keep is None:
                 outcome = self.backend.release(self.key, self.value)
@@ -287,6 +293,8 @@ class LockHandle:
             )
             return None
         self._release_done = True
+        if resent and outcome is ReleaseOutcome.ALREADY_GONE:
+            outcome = ReleaseOutcome.RELEASED
         if outcome is ReleaseOutcome.NOT_OURS:
             logger.warning(
                 "lock %s of %s[%s] was no longer ours at release (held %.3fs); "
@@ -330,6 +338,25 @@ def release_completely(release: Callable[[], Any]) -> None:
     except BaseException:
         release()
         raise
+
+
+# Values this process's standalone locks sent in acquires that timed out,
+# per lock store and name: their scripts may have run after all. Bounded;
+# weak per store, so a dropped client takes its entries along.
+_UNSETTLED: weakref.WeakKeyDictionary[LockBackend, dict[str, collections.deque[str]]] = (
+    weakref.WeakKeyDictionary()
+)
+_MAX_UNSETTLED = 8
+
+
+def _unsettled(backend: LockBackend, name: str) -> collections.deque[str]:
+    per_name = _UNSETTLED.get(backend)
+    if per_name is None:
+        per_name = _UNSETTLED.setdefault(backend, {})
+    values = per_name.get(name)
+    if values is None:
+        values = per_name.setdefault(name, collections.deque(maxlen=_MAX_UNSETTLED))
+    return values
 
 
 class RedisLock:
@@ -419,11 +446,13 @@ class RedisLock:
         ttl_ms = max(int(self.ttl * 1000), 1)
         started = clock()
         handle: LockHandle | None = None
+        unsettled = _unsettled(self.backend, self.name)
+        adopt = tuple(unsettled)
         try:
             if not blocking:
-                result = self.backend.acquire(self.name, value, ttl_ms)
+                result = self.backend.acquire(self.name, value, ttl_ms, adopt)
             else:
-                result = self._acquire_blocking(value, ttl_ms, timeout)
+                result = self._acquire_blocking(value, ttl_ms, timeout, adopt)
             if not result.acquired:
                 self._contended(result)
                 return False
@@ -441,6 +470,7 @@ class RedisLock:
             )
             if self.renew:
                 handle.start_renewal()
+            unsettled.clear()
             signals.lock_acquired.send(
                 sender=self,
                 key=self.name,
@@ -450,7 +480,11 @@ class RedisLock:
                 fence=result.fence,
             )
         except LockBackendError:
-            raise  # Redis is unreachable: a compare-and-delete could not get through either
+            # A timeout is not a refusal: the script may still run once Redis
+            # answers. The next acquire of this name in this process takes
+            # that value over instead of waiting out its TTL.
+            unsettled.append(value)
+            raise
         except BaseException:
             # Interrupted with the outcome unknown (between sending the
             # acquire and reading its reply, or before returning): our value
@@ -460,19 +494,22 @@ class RedisLock:
             if handle is not None:
                 release_completely(handle.release)
             else:
+                unsettled.append(value)  # in case the script runs after this release
                 with contextlib.suppress(LockBackendError):
                     release_completely(lambda: self.backend.release(self.name, value))
             raise
         return True
 
-    def _acquire_blocking(self, value: str, ttl_ms: int, timeout: float | None) -> AcquireResult:
-        result = self.backend.acquire(self.name, value, ttl_ms)
+    def _acquire_blocking(
+        self, value: str, ttl_ms: int, timeout: float | None, adopt: tuple[str, ...]
+    ) -> AcquireResult:
+        result = self.backend.acquire(self.name, value, ttl_ms, adopt)
         if result.acquired or (timeout is not None and timeout <= 0):
             return result
         if timeout is not None:
-            return self.backend.acquire_waiting(self.name, value, ttl_ms, timeout)
+            return self.backend.acquire_waiting(self.name, value, ttl_ms, timeout, adopt)
         while not result.acquired:  # wait as long as it takes, in bounded slices
-            result = self.backend.acquire_waiting(self.name, value, ttl_ms, 60.0)
+            result = self.backend.acquire_waiting(self.name, value, ttl_ms, 60.0, adopt)
         return result
 
     def _contended(self, result: AcquireResult) -> None:

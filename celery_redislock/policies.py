@@ -30,6 +30,8 @@ __all__ = [
     "ContentionPolicy",
     "Raise",
     "Retry",
+    "RetryInsteadOfSkip",
+    "RetryWhileOwnDeliveryHolds",
     "Skip",
     "Wait",
     "is_skipped",
@@ -218,6 +220,56 @@ class Wait(ContentionPolicy):
             return LOCK_ACQUIRED
         return self.then.handle(contention)
 
+
+class RetryInsteadOfSkip(ContentionPolicy):
+    """Apply ``policy``, but re-send instead of skipping (at any depth of composition).
+
+    For a redelivered message: it may be the only surviving copy of its
+    task (its first delivery died holding the lock), so skipping it would
+    drop the task. ``Wait(then=Skip())`` skips after its wait; this turns that
+    skip into a retry too.
+    """
+
+    def __init__(self, policy: ContentionPolicy) -> None:
+        self.policy = policy
+        self.name = policy.name
+
+    def handle(self, contention: Contention) -> Any:
+        """Run ``policy``; a skip result becomes a retry."""
+        outcome = self.policy.handle(contention)
+        if is_skipped(outcome):
+            return Retry().handle(contention)
+        return outcome
+
+
+class RetryWhileOwnDeliveryHolds(ContentionPolicy):
+    """Apply ``policy`` for a message whose own task id holds the key, but never drop it.
+
+    The holder is the message's own earlier delivery: dead (its lock expires
+    within its TTL) or still running (a visibility-timeout redelivery).
+    Skipping or failing the copy would drop the task, or store a result under
+    the id the running delivery will store its own. So the configured policy
+    decides as usual (a ``Retry``'s countdown, a ``Wait``), but a skip, a
+    ``LockContended`` or a spent budget becomes one more retry after the
+    holder's remaining TTL, for as long as that holder lives.
+    """
+
+    def __init__(self, policy: ContentionPolicy) -> None:
+        self.policy = policy
+        self.name = policy.name
+
+    def handle(self, contention: Contention) -> Any:
+        """Run ``policy``; its skip or failure becomes a retry."""
+        try:
+            outcome = self.policy.handle(contention)
+        except LockContended:
+            outcome = skipped_result(contention.key, contention.task_name, None)
+        if is_skipped(outcome):
+            return _RETRY_UNBOUNDED.handle(contention)
+        return outcome
+
+
+_RETRY_UNBOUNDED = Retry(max_retries=2**62)
 
 _SHORTHANDS: dict[str, Callable[[], ContentionPolicy]] = {
     "skip": Skip,

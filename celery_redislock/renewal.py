@@ -10,13 +10,6 @@ native OS thread even under gevent monkey-patching (a greenlet would starve
 behind CPU-bound tasks), and is never inherited by a forked child: after a
 fork the child starts with an empty registry, so it never renews its
 parent's locks.
-
-The registry holds the handles weakly. A lock is released from a
-``finally`` (or ``__exit__``); an exception landing on the very first
-instruction of that code cannot be caught by any Python code, and would
-otherwise leave the lock renewed for as long as the process lives. Once
-nothing can reach the handle any more, it is no longer renewed and expires
-within its TTL.
 """
 
 from __future__ import annotations
@@ -73,7 +66,9 @@ class Renewer:
         # An auto-reset event: released to wake the thread, re-acquired by it.
         self._wake = allocate_lock()
         self._wake.acquire()
-        self._handles: weakref.WeakValueDictionary[int, LockHandle] = weakref.WeakValueDictionary()
+        # Strong references: `if RedisLock(client, name).acquire(): work()`
+        # keeps no reference to the lock, and must stay renewed while it works.
+        self._handles: dict[int, LockHandle] = {}
         self._pid = os.getpid()
         self._running = False
         # When the thread will wake next (clock time), and how long it sleeps

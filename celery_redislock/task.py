@@ -28,6 +28,7 @@ import logging
 import os
 import random
 import signal as signals_module
+import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
@@ -74,8 +75,8 @@ from celery_redislock.policies import (
     LOCK_ACQUIRED,
     Contention,
     ContentionPolicy,
-    Retry,
-    Skip,
+    RetryInsteadOfSkip,
+    RetryWhileOwnDeliveryHolds,
     resolve_policy,
 )
 from celery_redislock.tokens import LockOwner, LockValue
@@ -345,17 +346,23 @@ class SingletonTaskMixin(_TaskBase):
             logger.warning(
                 "publishing %s[%s] without its enqueue lock: %s", self.name, task_id, exc
             )
-            return super().apply_async(args, kwargs, task_id=task_id, headers=headers, **options)
+            try:
+                return super().apply_async(
+                    args, kwargs, task_id=task_id, headers=headers, **options
+                )
+            except BaseException:
+                _take_back(settings, key, token)  # the late acquire may still land
+                raise
         except BaseException:
             # Interrupted: the key may hold a token for a task never published.
-            _release_quietly(settings, key, token)
+            _take_back(settings, key, token)
             raise
         if not result.acquired:
             return self._duplicate(settings, key, task_id, result)
         try:
             return super().apply_async(args, kwargs, task_id=task_id, headers=headers, **options)
         except BaseException:
-            _release_quietly(settings, key, token)  # nothing was queued: free the key
+            _take_back(settings, key, token)  # nothing was queued: free the key
             raise
 
     def _duplicate(
@@ -683,9 +690,8 @@ class _Execution:
         try:
             result = self._acquire()
         except LockBackendError as exc:
-            self.unsettled = False  # the re-send takes the value over
-            task._on_backend_error(settings, self.key, exc, self.value)
-            return None  # on_backend_error="run": run unprotected
+            self._on_backend_error(exc)
+            return None  # lock_on_backend_error="run": run unprotected
         if result.acquired:
             self._grant(result, started)
             return None
@@ -725,12 +731,17 @@ class _Execution:
                 granted.append(waited)
             return waited.acquired
 
-        if (
-            holder is not None
-            and holder.owner.task_id == request.id
-            and holder.owner.attempt < (request.retries or 0)
-            and wait_for_lock(min(result.ttl_remaining or _OWN_RETRY_WAIT, _OWN_RETRY_WAIT))
-        ):
+        try:
+            previous_attempt_released = (
+                holder is not None
+                and holder.owner.task_id == request.id
+                and holder.owner.attempt < (request.retries or 0)
+                and wait_for_lock(min(result.ttl_remaining or _OWN_RETRY_WAIT, _OWN_RETRY_WAIT))
+            )
+        except LockBackendError as exc:
+            self._on_backend_error(exc)
+            return None  # lock_on_backend_error="run": run unprotected
+        if previous_attempt_released:
             # Our own previous attempt raised Retry and published this
             # message just before its ``finally`` released the lock: the
             # release is a moment away, so wait for it instead of retrying.
@@ -756,12 +767,10 @@ class _Execution:
             headers.get("celery_beat_task") or getattr(request, "celery_beat_task", None)
         )
         policy = settings.beat_policy if from_beat else settings.policy
-        if isinstance(policy, Skip) and (
-            contention.redelivered or contention.holder_task_id == request.id
-        ):
-            # A redelivered copy may be the only surviving one (its first
-            # run died holding the lock): retry it, never drop it.
-            policy = Retry()
+        if contention.holder_task_id == request.id:
+            policy = RetryWhileOwnDeliveryHolds(policy)
+        elif contention.redelivered:
+            policy = RetryInsteadOfSkip(policy)
         logger.info(
             "%s[%s] not running: lock %s is held by %s (expires in %s s); policy %s",
             task.name,
@@ -772,11 +781,23 @@ class _Execution:
             policy.name,
         )
         self._contended(result, policy.name)
-        decision = policy.handle(contention)
+        try:
+            decision = policy.handle(contention)
+        except LockBackendError as exc:  # the store failed while a policy waited
+            self._on_backend_error(exc)
+            return None  # lock_on_backend_error="run": run unprotected
         if decision is LOCK_ACQUIRED:
             self._grant(granted[-1], started)
             return None
         return _Result(decision)
+
+    def _on_backend_error(self, exc: LockBackendError) -> None:
+        """The store failed: re-send with backoff (taking this value over), or run unprotected.
+
+        Returns (None: run the body) only with ``lock_on_backend_error="run"``.
+        """
+        self.unsettled = False  # the re-send carries the value and takes it over
+        self.task._on_backend_error(self.settings, self.key, exc, self.value)
 
     def _contended(self, result: AcquireResult, policy: str) -> None:
         task = self.task
@@ -833,8 +854,21 @@ class _Execution:
             self.keep = (kept.encode(), hold)
 
     def retrying(self, retry: CeleryRetry) -> None:
-        """The body raised Retry: hand the key to the queued retry (``lock_enqueue``)."""
-        if self.settings.enqueue and self.queued_token:
+        """The body raised Retry: hand the key to the queued retry (``lock_enqueue``).
+
+        Only if the retried message will lock the same key: ``self.retry(args=...)``
+        may change the arguments, and then the old key is simply released.
+        """
+        sig = getattr(retry, "sig", None)  # set by Task.retry(); absent on a bare Retry
+        if not (self.settings.enqueue and self.queued_token) or sig is None:
+            return
+        task = self.task
+        try:
+            received = task._as_received(sig.args or (), dict(sig.kwargs or {}), task.serializer)
+            same_key = task._key(self.settings, *received) == self.key
+        except LockKeyError:
+            same_key = False
+        if same_key:
             # The retried message carries the same token and takes it over.
             self.keep = (
                 self.queued_token,
@@ -853,16 +887,49 @@ class _Execution:
                 self.handle.release()
         elif self.unsettled:
             # Interrupted between sending an acquire and reading its reply.
-            _release_quietly(self.settings, self.key, self.value)
+            _take_back(self.settings, self.key, self.value)
             self.unsettled = False
 
 
-def _release_quietly(settings: TaskSettings, key: str, value: str) -> None:
-    """Compare-and-delete ``value``; a lock-store error is logged, the TTL frees it."""
+def _release_quietly(settings: TaskSettings, key: str, value: str) -> ReleaseOutcome | None:
+    """Compare-and-delete ``value``; a lock-store error is logged (None), the TTL frees it."""
     try:
-        settings.backend.release(key, value)
+        return settings.backend.release(key, value)
     except LockBackendError as exc:
         logger.warning("could not take back lock %s (it expires by itself): %s", key, exc)
+        return None
+
+
+#: Seconds between the attempts to take back a value nobody will use (about a
+#: minute in all).
+_TAKE_BACK_DELAYS = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
+
+
+def _take_back(settings: TaskSettings, key: str, token: str) -> None:
+    """Take back a value an acquire may have stored although nobody will use it.
+
+    The queued token of a task that was never published, or the value of an
+    execution's acquire that an exception cut off before its reply. Such an
+    acquire may still run once the lock store answers (on its own, closed,
+    connection), and its value would block the key for its TTL. So unless
+    this finds and deletes the value (or finds another holder, whom a late
+    acquire could not displace), a daemon thread tries again for about a
+    minute.
+    """
+    if _release_quietly(settings, key, token) in (
+        ReleaseOutcome.RELEASED,
+        ReleaseOutcome.NOT_OURS,
+    ):
+        return
+
+    def again() -> None:
+        for delay in _TAKE_BACK_DELAYS:
+            time.sleep(delay)
+            outcome = _release_quietly(settings, key, token)
+            if outcome in (ReleaseOutcome.RELEASED, ReleaseOutcome.NOT_OURS):
+                return
+
+    threading.Thread(target=again, name="redislock-take-back", daemon=True).start()
 
 
 class SingletonTask(SingletonTaskMixin, _Task):
@@ -899,9 +966,23 @@ class SingletonRequest(Request):
             self._release_child_lock(type(exc).__name__, self._will_be_resent(exc))
         super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 
+    #: Set when a terminated child has not released its lock in time: Celery's
+    #: REVOKED is then announced when the child has exited (``Terminated``).
+    _redislock_defer_revoked = False
+
     def terminate(self, pool: Any, signal: Any = None) -> None:
-        """``revoke(terminate=True)``: release once the signalled child has exited."""
+        """``revoke(terminate=True)``: REVOKED only once the child's lock is released."""
         super().terminate(self._releasing(pool), signal)
+
+    def _announce_revoked(self, reason: Any, terminated: Any, signum: Any, expired: Any) -> None:
+        # Celery announces REVOKED right after sending terminate's signal, and
+        # again (unless already announced) when billiard reports the child
+        # ``Terminated``, which it does once the child has exited. While the
+        # child still holds its lock, the first announcement is held back.
+        if self._redislock_defer_revoked:
+            self._redislock_defer_revoked = False
+            return
+        super()._announce_revoked(reason, terminated, signum, expired)  # type: ignore[misc]
 
     def cancel(self, pool: Any, signal: Any = None, emit_retry: bool = True) -> None:
         """Cold shutdown: release once the signalled child has exited."""
@@ -949,7 +1030,7 @@ class SingletonRequest(Request):
                 return
         self._release_child_lock(reason)
 
-    def _wait_for_child_release(self, timeout: float) -> None:
+    def _wait_for_child_release(self, timeout: float) -> bool:
         """Wait for the signalled child's own ``finally`` to release its lock.
 
         Not for its exit: a billiard child exits only once this (the parent's)
@@ -958,7 +1039,7 @@ class SingletonRequest(Request):
         """
         task = self.task
         if not isinstance(task, SingletonTaskMixin):
-            return
+            return True
         try:
             released = task.wait_for_release(
                 self.id,
@@ -971,16 +1052,17 @@ class SingletonRequest(Request):
             )
         except Exception:
             logger.exception("could not watch the lock of %s[%s]", self.name, self.id)
-            return
+            return False
         if not released:
             logger.warning(
                 "%s[%s]: pool process %s still holds its lock %.1fs after the signal; "
-                "it is released when the process exits",
+                "REVOKED is stored once the process has exited",
                 self.name,
                 self.id,
                 self.worker_pid,
                 timeout,
             )
+        return released
 
     def _release_child_lock(self, reason: str, requeued: bool = False) -> None:
         task = self.task
@@ -1008,11 +1090,12 @@ class SingletonRequest(Request):
 
 
 class _ReleaseAfterExit:
-    """A pool whose ``terminate_job`` returns only once the child's lock is released.
+    """A pool whose ``terminate_job`` returns once the child's lock is released, or defers.
 
     After SIGKILL: once the child has exited, the parent releases it. After
     a signal the child turns into ``SystemExit``: its own ``finally``
-    releases, and the parent waits for that (bounded).
+    releases, and the parent waits for that (bounded). If the bound passes
+    first, Celery's REVOKED waits for the child's exit.
     """
 
     def __init__(self, pool: Any, request: SingletonRequest) -> None:
@@ -1021,12 +1104,18 @@ class _ReleaseAfterExit:
 
     def terminate_job(self, pid: int, signal: Any = None) -> None:
         self._pool.terminate_job(pid, signal)
+        request = self._request
         signum = signals_module.Signals(signal or signals_module.SIGTERM)
         if signum is signals_module.SIGKILL:
-            if _exited(pid, _KILLED_EXIT_WAIT):
-                self._request._release_child_lock("terminated")
+            released = _exited(pid, _KILLED_EXIT_WAIT)
+            if released:
+                request._release_child_lock("terminated")
         elif signum in _STOPPING_SIGNALS:
-            self._request._wait_for_child_release(_STOPPING_RELEASE_WAIT)
+            released = request._wait_for_child_release(_STOPPING_RELEASE_WAIT)
+        else:
+            return  # a signal the child survives (SIGUSR1: a soft time limit)
+        # Not yet: announce REVOKED when billiard reports the exit (Terminated).
+        request._redislock_defer_revoked = not released
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._pool, name)

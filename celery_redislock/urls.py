@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["mask_url"]
+__all__ = ["has_credentials", "mask_url"]
 
 _QUERY_SECRET = re.compile(r"((?:^|[?&;])(?:password|pass|pw)=)[^&;#]*", re.IGNORECASE)
 
@@ -23,14 +23,22 @@ def mask_url(url: str, drop_credentials: bool = False) -> str:
     scheme, separator, rest = url.partition("://")
     if not separator:
         return url
-    query_at = rest.find("?")
-    head = rest if query_at < 0 else rest[:query_at]
-    query = "" if query_at < 0 else _QUERY_SECRET.sub(r"\1**", rest[query_at:])
-    userinfo, at, address = head.rpartition("@")
-    if at:
-        user, colon, _ = userinfo.partition(":")
-        if drop_credentials:
-            head = address
-        elif colon:
-            head = f"{user}:**@{address}"
-    return f"{scheme}://{head}{query}"
+    # The userinfo ends at the last "@": a generated password may hold a raw
+    # "/", "?", "#" or "@" (redis-py then misparses the URL, and its error
+    # message quotes a piece of the password: see has_credentials).
+    userinfo, at, address = rest.rpartition("@")
+    query_at = address.find("?")
+    if query_at >= 0:
+        address = address[:query_at] + _QUERY_SECRET.sub(r"\1**", address[query_at:])
+    if not at:
+        return f"{scheme}://{address}"
+    if drop_credentials:
+        return f"{scheme}://{address}"
+    user, colon, _ = userinfo.partition(":")
+    return f"{scheme}://{user}:**@{address}" if colon else f"{scheme}://{userinfo}@{address}"
+
+
+def has_credentials(url: str) -> bool:
+    """True if ``url`` carries a user or password (before its last ``@``)."""
+    _, separator, rest = url.partition("://")
+    return bool(separator) and "@" in rest

@@ -191,3 +191,36 @@ def test_lock_scripts_on_other_client_shapes(
 def test_direct_path_rejects_values_redis_cannot_take(backend: LockBackend) -> None:
     with pytest.raises(TypeError, match="cannot send float"):
         backend.acquire("k", "v1", 1.5)  # type: ignore[arg-type]
+
+
+def test_a_fork_while_another_thread_builds_connections_does_not_deadlock_the_child(
+    server: RedisServer,
+) -> None:
+    import os
+    import threading
+
+    backend = LockBackend(server.url_for(LOCK_DB))
+    backend.acquire("before-fork", "v", 5000)
+    holding, release = threading.Event(), threading.Event()
+
+    def builder() -> None:  # another thread, inside the backend's guard at fork time
+        with backend._guard:
+            holding.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=builder)
+    thread.start()
+    holding.wait(5)
+    pid = os.fork()
+    if pid == 0:  # the child: its first use must not wait for a lock nobody will release
+        import signal
+
+        signal.alarm(5)
+        try:
+            os._exit(0 if backend.acquire("in-child", "v", 5000).acquired else 1)
+        except BaseException:
+            os._exit(2)
+    release.set()
+    thread.join(5)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

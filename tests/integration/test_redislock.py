@@ -136,3 +136,44 @@ def test_short_lived_clients_leave_no_file_descriptors_or_objects_behind(
     print(f"\n[measured] 1,000 short-lived clients: fds {fds} -> {open_fds()}")
     assert open_fds() <= fds + 2
     assert live(redis.Redis) <= clients and live(redis.ConnectionPool) <= pools
+
+
+def test_an_acquire_that_timed_out_is_taken_over_by_the_next_acquire(server: RedisServer) -> None:
+    """Redis busy, not down: the acquire gives up, its script runs afterwards."""
+    import threading
+    import time
+
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    from celery_redislock import LockBackendError
+
+    client = server.client(LOCK_DB, socket_timeout=0.3, retry=Retry(NoBackoff(), 0))
+    lock = RedisLock(client, "busy-store", ttl=30)
+    assert lock.acquire(blocking=False)
+    lock.release()
+    busy = threading.Thread(
+        target=lambda: server.client(LOCK_DB).execute_command("DEBUG", "SLEEP", "1")
+    )
+    busy.start()
+    time.sleep(0.1)  # let DEBUG SLEEP start first
+    with pytest.raises(LockBackendError):
+        lock.acquire(blocking=False)
+    busy.join()
+    assert server.client(LOCK_DB).exists("busy-store")  # the late script stored its value
+    assert RedisLock(client, "busy-store", ttl=30).acquire(blocking=False)
+
+
+def test_a_lock_nobody_keeps_a_reference_to_is_still_renewed(lock_client: redis.Redis) -> None:
+    """`if RedisLock(client, name).acquire(): work()` keeps the lock while work() runs."""
+    assert RedisLock(lock_client, "unreferenced", ttl=0.3).acquire(blocking=False)
+    gc.collect()
+    value = lock_client.get("unreferenced")
+    from celery_redislock.renewal import renewer
+
+    trips = renewer().round_trips
+    from tests.servers import wait_until
+
+    wait_until(lambda: renewer().round_trips >= trips + 4, timeout=10)  # > one TTL of renewals
+    assert lock_client.get("unreferenced") == value
+    assert not RedisLock(lock_client, "unreferenced", ttl=0.3).acquire(blocking=False)

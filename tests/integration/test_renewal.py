@@ -199,3 +199,33 @@ def test_renewer_survives_an_unexpected_error_in_a_tick(lock_client: redis.Redis
     assert renewer().alive
     broken.release()
     healthy.release()
+
+
+def test_a_release_sent_again_after_an_interruption_reports_released(
+    lock_client: redis.Redis,
+) -> None:
+    """The first release reached Redis, then an exception cut its reply off."""
+    from celery_redislock import lock_released
+    from celery_redislock.backend import LockBackend
+    from celery_redislock.lock import release_completely
+
+    class InterruptedOnce(LockBackend):
+        interrupted = False
+
+        def release(self, *args: Any, **kwargs: Any) -> Any:
+            outcome = super().release(*args, **kwargs)  # Redis released it...
+            if not self.interrupted:
+                self.interrupted = True
+                raise KeyboardInterrupt  # ...and the caller never saw the reply
+            return outcome
+
+    outcomes: list[str] = []
+    lock_released.connect(lambda sender=None, **kw: outcomes.append(kw["outcome"]), weak=False)
+    lock = RedisLock(lock_client, "interrupted-release", ttl=5)
+    assert lock.acquire(blocking=False)
+    assert lock.handle is not None
+    lock.handle.backend = InterruptedOnce(client=lock_client)
+    with pytest.raises(KeyboardInterrupt):
+        release_completely(lock.handle.release)
+    assert outcomes[-1:] == ["released"]
+    assert lock_client.exists("interrupted-release") == 0

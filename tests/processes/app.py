@@ -161,6 +161,18 @@ def fragile_out_of_retries(self: Any, name: str) -> int:
     return 0
 
 
+@app.task(base=SingletonTask, bind=True, lock_args=("name",))
+def slow_cleanup(self: Any, name: str) -> str:
+    """Its own ``finally`` takes 1.5 s (a flush, an upload, a rollback)."""
+    record().hset(f"started:{self.request.id}", mapping={"pid": os.getpid(), "key": self.lock.key})
+    try:
+        time.sleep(60)
+    finally:
+        time.sleep(1.5)
+        record().rpush(f"events:{name}", "cleanup-done")
+    return name
+
+
 @app.task(base=SingletonTask, bind=True, lock_args=("name",), lock_ttl=0.6)
 def green_hold(self: Any, name: str, seconds: float) -> int:
     """Under the gevent pool: hold the lock past TTL/3, so the native renewer renews it."""

@@ -274,3 +274,21 @@ def test_retry_on_worker_lost_out_of_retries_frees_the_key(cluster: Cluster) -> 
         wait_until(lambda: result.state == "FAILURE", timeout=20, interval=0.005)
         assert cluster.locks.exists(info["key"]) == 0
         assert task.delay("spent").id != result.id
+
+
+def test_terminate_with_sigterm_stores_revoked_only_once_the_slow_cleanup_released(
+    cluster: Cluster,
+) -> None:
+    """The child's own finally takes longer than the parent's bounded wait."""
+    cluster.worker(ttl=30)
+    first = cluster.send("slow_cleanup", "slow")
+    key = cluster.started(first.id)["key"]
+    sent = time.monotonic()
+    cluster.producer.control.revoke(first.id, terminate=True, signal="SIGTERM")
+    wait_until(lambda: first.state == "REVOKED", timeout=15, interval=0.005)
+    held = cluster.locks.exists(key)
+    done = cluster.record.lrange("events:slow", 0, -1)
+    print(
+        f"\n[measured] slow cleanup: REVOKED after {time.monotonic() - sent:.2f}s, key held {held}"
+    )
+    assert held == 0 and done == ["cleanup-done"]

@@ -24,7 +24,7 @@ from celery_redislock import (
 from celery_redislock.task import LOCK_RETRIES_HEADER
 from tests.conftest import BROKER_DB, embedded_worker
 from tests.helpers import hold_lock
-from tests.servers import RedisServer
+from tests.servers import RedisServer, wait_until
 
 pytestmark = pytest.mark.worker
 
@@ -261,3 +261,27 @@ def test_a_retry_waits_for_its_own_previous_attempt_to_release(
     backend = job._lock_settings().backend
     threading.Timer(0.3, lambda: backend.release(key, value)).start()
     assert job.apply(task_id="same-task", retries=1).get() == 1  # not LockContended
+
+
+def test_a_waiter_whose_subscription_drops_resubscribes_and_runs(
+    app: Celery, record: redis.Redis, lock_client: redis.Redis
+) -> None:
+    @app.task(base=SingletonTask, bind=True, shared=False, lock_on_contention=Wait(timeout=30))
+    def job(self: Any) -> str:
+        record.rpush("runs", self.request.id)
+        return "ran"
+
+    key, value = hold_lock(lock_client, job, ttl=30)
+    backend = job._lock_settings().backend
+    with embedded_worker(app, "threads", 2):
+        result = job.delay()
+
+        def subscriptions() -> list[Any]:
+            return [c for c in lock_client.client_list(_type="pubsub") if c["db"] == "2"]
+
+        waiting = wait_until(subscriptions, timeout=20)
+        for client in waiting:
+            lock_client.client_kill_filter(_id=client["id"])  # Redis stays up
+        backend.release(key, value)
+        assert result.get(timeout=20) == "ran"
+    assert record.lrange("runs", 0, -1) == [result.id]

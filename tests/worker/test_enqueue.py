@@ -347,3 +347,54 @@ def test_a_release_retried_after_a_hand_over_reports_released(lock_client: redis
         ReleaseOutcome.RELEASED
     )
     assert lock_client.get("handed") == b"queued-value"
+
+
+def test_a_retry_with_other_arguments_does_not_hand_the_old_key_to_itself(
+    app: Celery, record: redis.Redis, lock_client: redis.Redis
+) -> None:
+    @app.task(base=SingletonTask, bind=True, shared=False, lock_enqueue=True)
+    def step(self: Any, n: int) -> int:
+        record.rpush("runs", f"{n}:{self.request.retries}")
+        if self.request.retries == 0:
+            raise self.retry(args=(n + 100,), countdown=0.2)  # Celery: retry with new arguments
+        return n
+
+    with embedded_worker(app, "threads", 2):
+        first = step.delay(1)
+        assert first.get(timeout=20) == 101
+        assert lock_client.exists(step.lock_key_for((1,), {})) == 0
+        again = step.delay(1)
+        assert again.id != first.id and again.get(timeout=20) == 101
+    assert record.lrange("runs", 0, -1) == ["1:0", "101:1", "1:0", "101:1"]
+
+
+def test_a_late_enqueue_lock_after_a_failed_publish_is_taken_back(
+    app_factory: Any, redis_server_factory: Any
+) -> None:
+    """The lock store froze (the acquire gave up, its script ran later) and the broker was down."""
+    store: RedisServer = redis_server_factory()
+    dead_broker: RedisServer = redis_server_factory()
+    app = app_factory(
+        broker_url=dead_broker.url,
+        redislock_url=store.url,
+        redislock_redis_options={"socket_timeout": 0.5, "socket_connect_timeout": 0.5},
+        task_publish_retry=False,
+        broker_connection_timeout=0.5,
+        broker_transport_options={"socket_connect_timeout": 0.5, "socket_timeout": 0.5},
+    )
+
+    @app.task(base=SingletonTask, shared=False, lock_enqueue=True)
+    def job(n: int) -> None: ...
+
+    dead_broker.kill()
+    with pytest.raises(Exception):  # noqa: B017  (warms the lock-store connection up)
+        job.delay(2)
+    key = job.lock_key_for((1,), {})
+    store.pause()
+    try:
+        with pytest.raises(Exception):  # noqa: B017  (kombu's OperationalError)
+            job.delay(1)
+    finally:
+        store.resume()  # the frozen acquire's script runs now
+    locks = store.client()
+    wait_until(lambda: locks.exists(key) == 0, timeout=30, message="the phantom queued key")

@@ -8,11 +8,13 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
+from celery.app.trace import build_tracer
 
-from celery_redislock import SingletonTask, lock_contended
+from celery_redislock import Retry, SingletonTask, Skip, Wait, lock_contended
 from celery_redislock.backend import RENEW_SCRIPT
-from tests.conftest import embedded_worker
-from tests.servers import wait_until
+from tests.conftest import BROKER_DB, embedded_worker
+from tests.helpers import hold_lock
+from tests.servers import RedisServer, wait_until
 
 pytestmark = pytest.mark.worker
 
@@ -69,3 +71,61 @@ def test_a_renewal_in_flight_at_release_cannot_shorten_the_window(
     # A renewal sent just before the release, arriving just after it.
     lock_client.eval(RENEW_SCRIPT, 1, key, running_value, 30_000)
     assert lock_client.pttl(key) > 3_500_000, "the window was cut to the lock TTL"
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [Wait(timeout=0.1, then=Skip()), Retry(max_retries=0, then=Skip()), "raise", "skip"],
+    ids=["wait-then-skip", "retry-then-skip", "raise", "skip"],
+)
+def test_a_copy_whose_own_task_id_holds_the_key_is_retried_whatever_the_policy(
+    app: Celery, lock_client: redis.Redis, server: RedisServer, policy: Any
+) -> None:
+    """Its holder is its own earlier delivery (dead, or still running past a
+    visibility timeout): skipping or failing it would drop the only copy, or
+    store a result under the id the running delivery will store its own."""
+
+    @app.task(base=SingletonTask, shared=False, lock_on_contention=policy)
+    def job() -> None: ...
+
+    hold_lock(lock_client, job, holder_task_id="the-only-copy", ttl=30)
+    broker = server.client(BROKER_DB)
+    before = broker.llen("tests")
+    trace = build_tracer(job.name, job, app=app, eager=False)
+    trace(
+        "the-only-copy",
+        (),
+        {},
+        {
+            "id": "the-only-copy",
+            "delivery_info": {"redelivered": True, "routing_key": "tests", "exchange": ""},
+            "headers": {},
+            "retries": 0,
+            "hostname": "celery@test",
+        },
+    )
+    assert app.AsyncResult("the-only-copy").state == "RETRY"
+    assert broker.llen("tests") == before + 1  # re-sent, to run once the holder is gone
+
+
+def test_a_redelivered_copy_held_off_by_another_task_is_never_skipped_by_a_composed_policy(
+    app: Celery, lock_client: redis.Redis, server: RedisServer
+) -> None:
+    @app.task(base=SingletonTask, shared=False, lock_on_contention=Wait(timeout=0.1, then=Skip()))
+    def job() -> None: ...
+
+    hold_lock(lock_client, job, holder_task_id="someone-else", ttl=30)
+    trace = build_tracer(job.name, job, app=app, eager=False)
+    trace(
+        "redelivered",
+        (),
+        {},
+        {
+            "id": "redelivered",
+            "delivery_info": {"redelivered": True, "routing_key": "tests", "exchange": ""},
+            "headers": {},
+            "retries": 0,
+            "hostname": "celery@test",
+        },
+    )
+    assert app.AsyncResult("redelivered").state == "RETRY"

@@ -627,8 +627,10 @@ class LockBackend:
         dropped = 0
         with self._errors("wait for", key):
             while True:
+                subscribed = False
                 try:
                     with Subscription(endpoint, release_channel(key)) as sub:
+                        subscribed = True
                         while True:
                             result = self.acquire(
                                 key, value, ttl_ms, adopt, min_replicas, replicas_timeout
@@ -644,8 +646,10 @@ class LockBackend:
                     # The subscription dropped (a restart, a failover, a
                     # client kill): subscribe again. The acquire that follows
                     # a new subscription sees any release that came between.
+                    # A subscription that never came up is a store that is
+                    # down: give up at once, within the documented bound.
                     dropped += 1
-                    if dropped > _RESUBSCRIPTIONS:
+                    if not subscribed or dropped > _RESUBSCRIPTIONS:
                         raise
 
     def wait_released(self, key: str, owner_prefix: str, timeout: float) -> bool:

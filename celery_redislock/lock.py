@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import inspect
 import logging
 import os
 import weakref
@@ -24,6 +25,7 @@ from celery_redislock.exceptions import (
 )
 from celery_redislock.interrupt import withdraw_abort
 from celery_redislock.renewal import native_lock, renewer
+from celery_redislock.takeback import take_back_value
 from celery_redislock.tokens import LockOwner, LockValue
 
 __all__ = ["LockHandle", "RedisLock", "release_completely", "validate_ttl"]
@@ -49,6 +51,16 @@ def validate_ttl(ttl: Any, where: str) -> float:
     if ttl < 0.01:
         raise ConfigurationError(f"{where} must be at least 0.01 seconds, got {ttl!r}")
     return float(ttl)
+
+
+def _dropped_while_held(pid: int, backend: LockBackend, key: str, value: str) -> None:
+    """Finalizer of a scoped handle dropped before its release ran.
+
+    Only in the process that acquired it: a forked child inherits the handle
+    (and this finalizer) but never owned the lock.
+    """
+    if os.getpid() == pid:
+        renewer().abandon(backend, key, value)
 
 
 class LockHandle:
@@ -112,21 +124,33 @@ class LockHandle:
         self._release_sent = False
         self._pid = os.getpid()
         self._renewing = False
+        self._dropped: weakref.finalize[Any, Any] | None = None
         self._on_lost: list[Callable[[LockHandle], None]] = []
         if renew:
             self.start_renewal()
 
-    def start_renewal(self) -> None:
+    def start_renewal(self, scoped: bool = False) -> None:
         """Hand the lock to the process's renewer.
 
         Callers that must never leave a renewed lock behind construct the
         handle with ``renew=False``, store it where their cleanup will find
         it, and only then call this: an exception landing in between leaves
         nothing registered.
+
+        Args:
+            scoped: The renewer holds the handle weakly: once nothing else
+                references it (its release was skipped), renewal stops and
+                the value is taken back. For locks held by a ``with`` block.
         """
         if not self._renewing and not self.released:
             self._renewing = True
-            renewer().register(self)
+            if scoped:
+                dropped = weakref.finalize(
+                    self, _dropped_while_held, os.getpid(), self.backend, self.key, self.value
+                )
+                dropped.atexit = False  # at exit the TTL frees it; no thread to take it back
+                self._dropped = dropped
+            renewer().register(self, scoped=scoped)
 
     def __repr__(self) -> str:
         state = "released" if self.released else ("lost" if self.lost else "held")
@@ -181,6 +205,8 @@ class LockHandle:
         self.lost_reason = reason
         renewer().unregister(self)
         self._renewing = False
+        if self._dropped is not None:
+            self._dropped.detach()  # the value is gone: nothing to take back
         logger.error(
             "lock %s of %s[%s] was lost (%s) after %.3fs; another execution may now run",
             self.key,
@@ -271,6 +297,8 @@ class LockHandle:
         if self._renewing:
             renewer().unregister(self)
             self._renewing = False
+        if self._dropped is not None:
+            self._dropped.detach()  # this release takes care of the value
         # A release sent again after an exception cut off the first one's
         # reply: "already gone" then means the first one worked.
         resent, self._release_sent = self._release_sent, True
@@ -349,14 +377,33 @@ _UNSETTLED: weakref.WeakKeyDictionary[LockBackend, dict[str, collections.deque[s
 _MAX_UNSETTLED = 8
 
 
-def _unsettled(backend: LockBackend, name: str) -> collections.deque[str]:
+def _unsettled(backend: LockBackend, name: str) -> tuple[str, ...]:
+    """Values of ``name``'s acquires that timed out in this process (to take over)."""
+    per_name = _UNSETTLED.get(backend)
+    return tuple(per_name.get(name, ())) if per_name is not None else ()
+
+
+def _note_unsettled(backend: LockBackend, name: str, value: str) -> None:
     per_name = _UNSETTLED.get(backend)
     if per_name is None:
         per_name = _UNSETTLED.setdefault(backend, {})
     values = per_name.get(name)
     if values is None:
         values = per_name.setdefault(name, collections.deque(maxlen=_MAX_UNSETTLED))
-    return values
+    values.append(value)
+
+
+def _settle(backend: LockBackend, name: str, adopted: tuple[str, ...]) -> None:
+    """Forget the ``adopted`` values: an acquire took them over (or found them gone)."""
+    per_name = _UNSETTLED.get(backend)
+    values = None if per_name is None else per_name.get(name)
+    if per_name is None or values is None:
+        return
+    for value in adopted:  # not clear(): another thread may have added one since
+        with contextlib.suppress(ValueError):
+            values.remove(value)
+    if not values:
+        per_name.pop(name, None)
 
 
 class RedisLock:
@@ -438,6 +485,9 @@ class RedisLock:
             LockBackendError: Redis is unreachable.
             RuntimeError: this object already holds the lock.
         """
+        return self._acquire(blocking, timeout, scoped=False)
+
+    def _acquire(self, blocking: bool | None, timeout: float | None, scoped: bool) -> bool:
         if self.handle is not None and not self.handle.released:
             raise RuntimeError(f"RedisLock {self.name!r} is already held by this object")
         blocking = self.blocking if blocking is None else blocking
@@ -446,8 +496,7 @@ class RedisLock:
         ttl_ms = max(int(self.ttl * 1000), 1)
         started = clock()
         handle: LockHandle | None = None
-        unsettled = _unsettled(self.backend, self.name)
-        adopt = tuple(unsettled)
+        adopt = _unsettled(self.backend, self.name)
         try:
             if not blocking:
                 result = self.backend.acquire(self.name, value, ttl_ms, adopt)
@@ -469,8 +518,9 @@ class RedisLock:
                 fence=result.fence,
             )
             if self.renew:
-                handle.start_renewal()
-            unsettled.clear()
+                handle.start_renewal(scoped)
+            if adopt:
+                _settle(self.backend, self.name, adopt)
             signals.lock_acquired.send(
                 sender=self,
                 key=self.name,
@@ -483,7 +533,9 @@ class RedisLock:
             # A timeout is not a refusal: the script may still run once Redis
             # answers. The next acquire of this name in this process takes
             # that value over instead of waiting out its TTL.
-            unsettled.append(value)
+            _note_unsettled(self.backend, self.name, value)
+            # And if none comes, it is taken back in the background.
+            take_back_value(self.backend, self.name, value, now=False)
             raise
         except BaseException:
             # Interrupted with the outcome unknown (between sending the
@@ -494,9 +546,11 @@ class RedisLock:
             if handle is not None:
                 release_completely(handle.release)
             else:
-                unsettled.append(value)  # in case the script runs after this release
+                # In case the script runs after this release:
+                _note_unsettled(self.backend, self.name, value)
                 with contextlib.suppress(LockBackendError):
                     release_completely(lambda: self.backend.release(self.name, value))
+                take_back_value(self.backend, self.name, value, now=False)
             raise
         return True
 
@@ -553,7 +607,10 @@ class RedisLock:
         self.handle.extend(ttl)
 
     def __enter__(self) -> RedisLock:
-        if not self.acquire():
+        # Scoped: if __exit__ never runs its release (an exception landing on
+        # its first instruction), dropping this object stops the renewal and
+        # takes the value back, instead of renewing it for ever.
+        if not self._acquire(None, None, scoped=True):
             last = self._last_contention
             raise LockContended(self.name, last.holder_task_id, last.ttl_remaining)
         return self
@@ -570,7 +627,22 @@ class RedisLock:
 
         The decorated function uses a fresh :class:`RedisLock` per call, so
         concurrent calls from several threads each wait for the lock.
+
+        Raises:
+            TypeError: ``function`` is a coroutine or generator function: a
+                call only creates the coroutine or generator, so the lock
+                would be released before its body runs.
         """
+        if (
+            inspect.iscoroutinefunction(function)
+            or inspect.isgeneratorfunction(function)
+            or inspect.isasyncgenfunction(function)
+        ):
+            raise TypeError(
+                f"@RedisLock({self.name!r}) cannot decorate {function.__qualname__}: a call "
+                "only creates its coroutine or generator, so the lock would be released "
+                "before the body runs; take the lock inside it with `with RedisLock(...)`"
+            )
 
         @functools.wraps(function)
         def locked(*args: Any, **kwargs: Any) -> Any:

@@ -14,6 +14,7 @@ parent's locks.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import importlib
 import logging
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from celery_redislock._clock import clock
 from celery_redislock.backend import LockBackend, RenewOutcome
 from celery_redislock.exceptions import LockBackendError
+from celery_redislock.takeback import take_back_value
 
 if TYPE_CHECKING:
     from celery_redislock.lock import LockHandle
@@ -49,6 +51,14 @@ def _native(module: str, name: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
+def _gevent_patched() -> bool:
+    try:
+        from gevent import monkey
+    except ImportError:
+        return False
+    return bool(monkey.is_module_patched("socket"))
+
+
 def native_lock() -> Any:
     """A lock of the OS thread library, never a gevent one (it is taken across threads)."""
     return _native("_thread", "allocate_lock")()
@@ -69,6 +79,14 @@ class Renewer:
         # Strong references: `if RedisLock(client, name).acquire(): work()`
         # keeps no reference to the lock, and must stay renewed while it works.
         self._handles: dict[int, LockHandle] = {}
+        # Weak references for scoped locks (``with RedisLock(...)``): if the
+        # release in ``__exit__`` never ran (an exception landed on its
+        # first instruction), the lock object is dropped, and with it the
+        # handle: renewal stops and the value is taken back (see abandon()).
+        self._scoped: weakref.WeakValueDictionary[int, LockHandle] = weakref.WeakValueDictionary()
+        # (backend, key, value) of dropped scoped handles: appended from a
+        # finalizer (any thread, inside the garbage collector), so no lock.
+        self._abandoned: collections.deque[tuple[LockBackend, str, str]] = collections.deque()
         self._pid = os.getpid()
         self._running = False
         # When the thread will wake next (clock time), and how long it sleeps
@@ -99,12 +117,20 @@ class Renewer:
 
     # -- registry ------------------------------------------------------------
 
-    def register(self, handle: LockHandle) -> None:
-        """Start keeping ``handle`` alive (starts the thread if needed)."""
+    def register(self, handle: LockHandle, scoped: bool = False) -> None:
+        """Start keeping ``handle`` alive (starts the thread if needed).
+
+        Args:
+            handle: The lock to renew.
+            scoped: Hold it weakly: renew only while its holder keeps it.
+        """
         if self._pid != os.getpid():
             self._reset()
         with self._mutex:
-            self._handles[id(handle)] = handle
+            if scoped:
+                self._scoped[id(handle)] = handle
+            else:
+                self._handles[id(handle)] = handle
             self._idle_sleep = min(self._idle_sleep, handle.renew_period / 2)
             cold = handle.backend not in self._warm
             if cold:
@@ -119,11 +145,20 @@ class Renewer:
         """Stop renewing ``handle``; a reply in flight for it is ignored."""
         with self._mutex:
             self._handles.pop(id(handle), None)
+            self._scoped.pop(id(handle), None)
+
+    def abandon(self, backend: LockBackend, key: str, value: str) -> None:
+        """A scoped handle was dropped while held: take its value back.
+
+        Called from a finalizer, so it only queues and wakes the thread.
+        """
+        self._abandoned.append((backend, key, value))
+        self._notify()
 
     @property
     def held(self) -> int:
         """Number of locks currently kept alive by this process."""
-        return len(self._handles)
+        return len(self._handles) + len(self._scoped)
 
     @property
     def alive(self) -> bool:
@@ -165,8 +200,20 @@ class Renewer:
             return None  # a forked copy of the thread state; never run here
         now = clock()
         self.heartbeat = now
+        while self._abandoned:
+            backend, key, value = self._abandoned.popleft()
+            logger.warning(
+                "lock %s was dropped while held (was its release interrupted?); "
+                "renewal stopped, taking it back",
+                key,
+            )
+            # The take-back's connections and thread belong to the program's
+            # threads (greenlets under gevent): not usable from this native
+            # thread there. The TTL then frees the key, no longer renewed.
+            if not _gevent_patched():
+                take_back_value(backend, key, value, now=False)
         with self._mutex:
-            handles = list(self._handles.values())
+            handles = [*self._handles.values(), *self._scoped.values()]
             to_warm, self._to_warm = self._to_warm, []
         for backend in to_warm:
             # Connect before the first renewal is due (a cold connection
@@ -183,7 +230,7 @@ class Renewer:
                 logger.exception("lock renewal tick failed; continuing")
             now = clock()
         with self._mutex:
-            pending = [h.renew_at for h in self._handles.values()]
+            pending = [h.renew_at for h in (*self._handles.values(), *self._scoped.values())]
             sleep = self._idle_sleep if not pending else min(min(pending) - now, _IDLE_WAKE)
             self._wake_at = now + sleep
         return sleep

@@ -28,7 +28,6 @@ import logging
 import os
 import random
 import signal as signals_module
-import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
@@ -79,6 +78,7 @@ from celery_redislock.policies import (
     RetryWhileOwnDeliveryHolds,
     resolve_policy,
 )
+from celery_redislock.takeback import take_back_value
 from celery_redislock.tokens import LockOwner, LockValue
 
 __all__ = [
@@ -100,6 +100,9 @@ BACKEND_RETRIES_HEADER = "redislock_backend_retries"
 #: Message header listing the values of this execution's earlier acquires
 #: whose replies were lost (a lock-store error): the retry takes them over.
 UNSETTLED_HEADER = "redislock_unsettled"
+#: Set on the re-send of a redelivered message: it stays a redelivered copy
+#: (retried, never skipped, while its key is held) however often it is re-sent.
+REDELIVERED_HEADER = "redislock_redelivered"
 #: At most this many unsettled values travel in the header.
 _MAX_UNSETTLED = 16
 
@@ -340,19 +343,24 @@ class SingletonTaskMixin(_TaskBase):
         try:
             result = settings.backend.acquire(key, token, max(int(ttl * 1000), 1))
         except LockBackendError as exc:
-            # Never drop the task: publish it. Its header still carries the
-            # token: if the acquire ran after all (a late reply), the worker
-            # takes the key over instead of contending with it.
+            # Never drop the task: publish it. The acquire may have run after
+            # all (a late reply), so the message lists its token as one to
+            # take over instead of contending with. And since the token may
+            # equally land after the task has run, it is taken back in the
+            # background. The message's own queued token is a fresh one: a
+            # retry's hand-off keeps *that*, which the take-back can never
+            # mistake for the late one.
             logger.warning(
                 "publishing %s[%s] without its enqueue lock: %s", self.name, task_id, exc
             )
+            headers[QUEUED_TOKEN_HEADER] = LockValue.queued(task_id, self.name).encode()
+            headers[UNSETTLED_HEADER] = [token]
             try:
                 return super().apply_async(
                     args, kwargs, task_id=task_id, headers=headers, **options
                 )
-            except BaseException:
-                _take_back(settings, key, token)  # the late acquire may still land
-                raise
+            finally:
+                _take_back(settings, key, token, now=False)  # the store just failed
         except BaseException:
             # Interrupted: the key may hold a token for a task never published.
             _take_back(settings, key, token)
@@ -521,6 +529,8 @@ class SingletonTaskMixin(_TaskBase):
         request = self.request
         headers = {**(request.headers or {}), **headers}
         headers.pop("redelivered", None)  # set by kombu's Redis transport; not ours to copy
+        if _redelivered(request):
+            headers[REDELIVERED_HEADER] = True
         signature = self.signature_from_request(
             request, countdown=countdown, retries=request.retries or 0, headers=headers
         )
@@ -756,7 +766,7 @@ class _Execution:
             task_id=request.id,
             holder_task_id=result.holder_task_id,
             ttl_remaining=result.ttl_remaining,
-            redelivered=bool((request.delivery_info or {}).get("redelivered")),
+            redelivered=_redelivered(request),
             lock_retries=lock_retries,
             wait_for_lock=wait_for_lock,
             retry_later=lambda countdown, exc: task._resend(
@@ -796,7 +806,11 @@ class _Execution:
 
         Returns (None: run the body) only with ``lock_on_backend_error="run"``.
         """
-        self.unsettled = False  # the re-send carries the value and takes it over
+        self.unsettled = False
+        # The acquire may land after all: after this execution ran without
+        # its lock ("run"), or after the re-send ("fail") ran and released.
+        # The re-send also carries the value, to take it over if it is there.
+        _take_back(self.settings, self.key, self.value, now=False)
         self.task._on_backend_error(self.settings, self.key, exc, self.value)
 
     def _contended(self, result: AcquireResult, policy: str) -> None:
@@ -891,45 +905,23 @@ class _Execution:
             self.unsettled = False
 
 
-def _release_quietly(settings: TaskSettings, key: str, value: str) -> ReleaseOutcome | None:
-    """Compare-and-delete ``value``; a lock-store error is logged (None), the TTL frees it."""
-    try:
-        return settings.backend.release(key, value)
-    except LockBackendError as exc:
-        logger.warning("could not take back lock %s (it expires by itself): %s", key, exc)
-        return None
+def _redelivered(request: Any) -> bool:
+    """This message was delivered before (or is the re-send of one that was)."""
+    return bool(
+        (request.delivery_info or {}).get("redelivered")
+        or (request.headers or {}).get(REDELIVERED_HEADER)
+    )
 
 
-#: Seconds between the attempts to take back a value nobody will use (about a
-#: minute in all).
-_TAKE_BACK_DELAYS = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
-
-
-def _take_back(settings: TaskSettings, key: str, token: str) -> None:
+def _take_back(settings: TaskSettings, key: str, token: str, *, now: bool = True) -> None:
     """Take back a value an acquire may have stored although nobody will use it.
 
-    The queued token of a task that was never published, or the value of an
-    execution's acquire that an exception cut off before its reply. Such an
-    acquire may still run once the lock store answers (on its own, closed,
-    connection), and its value would block the key for its TTL. So unless
-    this finds and deletes the value (or finds another holder, whom a late
-    acquire could not displace), a daemon thread tries again for about a
-    minute.
+    The queued token of a task that was never published (or was published
+    without it), or the value of an acquire whose reply never came. Such an
+    acquire may still run once the lock store answers, and its value would
+    block the key for its TTL: see :mod:`celery_redislock.takeback`.
     """
-    if _release_quietly(settings, key, token) in (
-        ReleaseOutcome.RELEASED,
-        ReleaseOutcome.NOT_OURS,
-    ):
-        return
-
-    def again() -> None:
-        for delay in _TAKE_BACK_DELAYS:
-            time.sleep(delay)
-            outcome = _release_quietly(settings, key, token)
-            if outcome in (ReleaseOutcome.RELEASED, ReleaseOutcome.NOT_OURS):
-                return
-
-    threading.Thread(target=again, name="redislock-take-back", daemon=True).start()
+    take_back_value(settings.backend, key, token, now=now)
 
 
 class SingletonTask(SingletonTaskMixin, _Task):

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -387,6 +387,37 @@ def _kill_quietly(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
+@contextlib.contextmanager
+def server_busy(server: RedisServer, seconds: float) -> Iterator[None]:
+    """Keep ``server`` busy in ``DEBUG SLEEP`` (Redis slow, not down).
+
+    Enters once the sleep has started (a probe's PING times out), so
+    commands sent inside the block are queued behind it; leaves once it ended.
+    """
+    import threading
+
+    sleeper = threading.Thread(
+        target=lambda: server.client().execute_command("DEBUG", "SLEEP", str(seconds))
+    )
+    sleeper.start()
+
+    def started() -> bool:
+        probe = redis.Redis(port=server.port, socket_timeout=0.05, retry=None)
+        try:
+            probe.ping()
+        except redis.TimeoutError:
+            return True
+        finally:
+            probe.close()
+        return False
+
+    try:
+        wait_until(started, timeout=10, message="DEBUG SLEEP to start")
+        yield
+    finally:
+        sleeper.join()
+
+
 class FaultProxy:
     """A TCP proxy between a client and a redis-server that can delay or cut traffic.
 
@@ -401,6 +432,9 @@ class FaultProxy:
         self.target_port = target_port
         self.latency = 0.0
         self.blackholed = threading.Event()
+        #: Chunks read while blackholed and not yet passed on.
+        self.held = 0
+        self._held_lock = threading.Lock()
         self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.listener.bind(("127.0.0.1", 0))
@@ -420,6 +454,11 @@ class FaultProxy:
     def heal(self) -> None:
         self.latency = 0.0
         self.blackholed.clear()
+
+    def heal_and_flush(self, timeout: float = 10.0) -> None:
+        """Heal, and return once everything held has been passed on."""
+        self.heal()
+        wait_until(lambda: self.held == 0, timeout=timeout, message="held traffic")
 
     def _accept(self) -> None:
         import threading
@@ -448,8 +487,13 @@ class FaultProxy:
                 with contextlib.suppress(OSError):
                     sink.shutdown(socket.SHUT_WR)
                 return
-            while self.blackholed.is_set() and not self.closed.is_set():
-                time.sleep(0.01)  # held, as a partition would
+            if self.blackholed.is_set():
+                with self._held_lock:
+                    self.held += 1
+                while self.blackholed.is_set() and not self.closed.is_set():
+                    time.sleep(0.01)  # held, as a partition would
+                with self._held_lock:
+                    self.held -= 1
             if self.latency:
                 time.sleep(self.latency)
             try:

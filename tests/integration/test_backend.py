@@ -224,3 +224,42 @@ def test_a_fork_while_another_thread_builds_connections_does_not_deadlock_the_ch
     thread.join(5)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_wait_on_a_store_that_cannot_subscribe_gives_up_after_one_timeout(
+    redis_server_factory: object,
+) -> None:
+    """Only a subscription that came up and then dropped is re-made: a frozen
+    store fails the wait within the README's bound for one command,
+    (retries + 1) x (connect + socket timeout) + retries x 0.2 s, not once
+    per resubscription."""
+    store: RedisServer = redis_server_factory()  # type: ignore[operator]
+    backend = LockBackend(
+        store.url_for(LOCK_DB), {"socket_timeout": 0.5, "socket_connect_timeout": 0.5}
+    )
+    store.pause()
+    try:
+        started = time.monotonic()
+        with pytest.raises(LockBackendError):
+            backend.acquire_waiting("frozen", "mine", 5000, timeout=30)
+        took = time.monotonic() - started
+    finally:
+        store.resume()
+    bound = (2 + 1) * (0.5 + 0.5) + 2 * 0.2
+    assert took < bound, f"gave up after {took:.2f}s (bound {bound:.1f}s)"
+
+
+def test_take_backs_share_one_thread(backend: LockBackend) -> None:
+    """A burst of unanswered acquires queues take-backs, not threads."""
+    import threading
+
+    from celery_redislock import takeback
+
+    for n in range(100):
+        takeback.take_back_value(backend, f"gone-{n}", "never-landed", now=False)
+    threads = [t for t in threading.enumerate() if t.name == "redislock-take-back"]
+    assert len(threads) == 1
+    assert takeback.pending() >= 100
+    backend.acquire("late", "late-value", 30000)  # an acquire that "lands late"
+    takeback.take_back_value(backend, "late", "late-value")
+    assert backend.acquire("late", "someone", 1000).acquired

@@ -112,3 +112,52 @@ def test_greenlets_and_the_native_renewer_never_share_a_connection(server: Redis
     assert result["other_outcomes"] == []
     assert result["complaint_count"] == 0, result["complaints"]
     assert result["keys_left"] == []
+
+
+PRELOADED = textwrap.dedent(
+    """
+    import os, sys, time
+    import celery_redislock.takeback as takeback  # imported in the master (--preload)
+
+    pid = os.fork()  # a worker process, which then patches
+    if pid == 0:
+        from gevent import monkey
+        monkey.patch_all()
+        import gevent
+        from celery_redislock.backend import LockBackend
+
+        backend = LockBackend(sys.argv[1])
+        beats = []
+
+        def beat():
+            for _ in range(4):
+                beats.append(time.monotonic())
+                gevent.sleep(0.3)
+
+        def take_back():
+            takeback.take_back_value(backend, "never-there", "v", now=False)
+
+        gevent.joinall([gevent.spawn(take_back), gevent.spawn(beat)], timeout=10)
+        os._exit(0 if len(beats) == 4 else 3)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            sys.exit(os.WEXITSTATUS(status))
+        time.sleep(0.1)
+    os.kill(pid, 9)
+    sys.exit("the worker process hung: its gevent hub was blocked")
+    """
+)
+
+
+def test_a_take_back_under_gevent_never_blocks_the_hub(server: RedisServer) -> None:
+    """The package imported before monkey-patching (gunicorn --preload -k gevent)."""
+    done = subprocess.run(
+        [sys.executable, "-c", PRELOADED, server.url_for(LOCK_DB)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr

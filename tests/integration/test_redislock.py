@@ -6,6 +6,7 @@ import gc
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 import redis
@@ -18,7 +19,7 @@ from celery_redislock import (
     ReleaseOutcome,
 )
 from tests.conftest import LOCK_DB
-from tests.servers import RedisServer
+from tests.servers import RedisServer, server_busy
 
 
 def test_context_manager_acquires_and_releases(lock_client: redis.Redis) -> None:
@@ -140,8 +141,6 @@ def test_short_lived_clients_leave_no_file_descriptors_or_objects_behind(
 
 def test_an_acquire_that_timed_out_is_taken_over_by_the_next_acquire(server: RedisServer) -> None:
     """Redis busy, not down: the acquire gives up, its script runs afterwards."""
-    import threading
-    import time
 
     from redis.backoff import NoBackoff
     from redis.retry import Retry
@@ -152,16 +151,55 @@ def test_an_acquire_that_timed_out_is_taken_over_by_the_next_acquire(server: Red
     lock = RedisLock(client, "busy-store", ttl=30)
     assert lock.acquire(blocking=False)
     lock.release()
-    busy = threading.Thread(
-        target=lambda: server.client(LOCK_DB).execute_command("DEBUG", "SLEEP", "1")
-    )
-    busy.start()
-    time.sleep(0.1)  # let DEBUG SLEEP start first
-    with pytest.raises(LockBackendError):
+    with server_busy(server, 1), pytest.raises(LockBackendError):
         lock.acquire(blocking=False)
-    busy.join()
-    assert server.client(LOCK_DB).exists("busy-store")  # the late script stored its value
+    # The next acquire takes the late value over, or finds it already taken
+    # back in the background: either way it does not wait out the TTL.
     assert RedisLock(client, "busy-store", ttl=30).acquire(blocking=False)
+
+
+def test_an_acquire_that_timed_out_is_taken_back_when_no_acquire_follows(
+    server: RedisServer,
+) -> None:
+
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    from celery_redislock import LockBackendError
+    from celery_redislock.lock import _UNSETTLED
+    from tests.servers import wait_until
+
+    client = server.client(LOCK_DB, socket_timeout=0.3, retry=Retry(NoBackoff(), 0))
+    lock = RedisLock(client, "busy-store-2", ttl=30)
+    assert lock.acquire(blocking=False)
+    lock.release()
+    admin = server.client(LOCK_DB)
+    with server_busy(server, 1), pytest.raises(LockBackendError):
+        lock.acquire(blocking=False)
+    wait_until(lambda: admin.exists("busy-store-2") == 0, timeout=15, message="late value")
+    # Acquires that settle leave no per-name entries behind (bounded memory).
+    for n in range(200):
+        with RedisLock(client, f"many-{n}", ttl=5):
+            pass
+    names = {name for per_name in _UNSETTLED.values() for name in per_name}
+    assert not {name for name in names if name.startswith("many-")}
+
+
+def test_a_with_lock_whose_exit_never_ran_stops_renewing_and_is_taken_back(
+    lock_client: redis.Redis,
+) -> None:
+    """An exception on __exit__'s first instruction skips its release: the
+    dropped lock object must not stay renewed for ever."""
+    from celery_redislock.renewal import renewer
+    from tests.servers import wait_until
+
+    lock = RedisLock(lock_client, "abandoned", ttl=0.6)
+    lock.__enter__()  # what `with` does; its __exit__ is then never called
+    del lock
+    gc.collect()
+    wait_until(lambda: lock_client.exists("abandoned") == 0, timeout=10, message="renewed")
+    held = [*renewer()._handles.values(), *renewer()._scoped.values()]
+    assert "abandoned" not in [handle.key for handle in held]
 
 
 def test_a_lock_nobody_keeps_a_reference_to_is_still_renewed(lock_client: redis.Redis) -> None:
@@ -177,3 +215,47 @@ def test_a_lock_nobody_keeps_a_reference_to_is_still_renewed(lock_client: redis.
     wait_until(lambda: renewer().round_trips >= trips + 4, timeout=10)  # > one TTL of renewals
     assert lock_client.get("unreferenced") == value
     assert not RedisLock(lock_client, "unreferenced", ttl=0.3).acquire(blocking=False)
+
+
+def test_the_decorator_refuses_coroutine_and_generator_functions(
+    lock_client: redis.Redis,
+) -> None:
+    """Such a call only creates the coroutine: the lock would not cover its body."""
+
+    async def coroutine() -> None: ...
+
+    def generator() -> Any:
+        yield 1
+
+    async def async_generator() -> Any:
+        yield 1
+
+    for function in (coroutine, generator, async_generator):
+        with pytest.raises(TypeError, match=function.__qualname__):
+            RedisLock(lock_client, "decorated")(function)
+
+
+def test_a_forked_child_leaving_the_with_block_never_touches_the_parents_lock(
+    lock_client: redis.Redis, server: RedisServer
+) -> None:
+    """The child inherits the scoped handle and its finalizer; it never owned the lock."""
+    from celery_redislock.renewal import renewer
+    from tests.servers import wait_until
+
+    with RedisLock(lock_client, "forked", ttl=1.0):
+        value = lock_client.get("forked")
+        pid = os.fork()
+        if pid > 0:
+            _, status = os.waitpid(pid, 0)
+            assert os.WEXITSTATUS(status) == 0
+            assert lock_client.get("forked") == value
+    if pid == 0:  # the child left the with block: its release was refused
+        code = 1
+        try:
+            gc.collect()  # drops the inherited handle: its finalizer runs
+            with RedisLock(server.client(LOCK_DB), "child-own", ttl=0.3):
+                trips = renewer().round_trips  # the child's renewer runs its ticks
+                wait_until(lambda: renewer().round_trips >= trips + 3, timeout=10)
+            code = 0
+        finally:
+            os._exit(code)

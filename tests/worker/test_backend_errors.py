@@ -137,3 +137,37 @@ def test_two_apps_use_their_own_lock_stores(
         r2_thread.join(20)
     assert record.get("r2") == two.url
     assert sorted(record.lrange("stores", 0, -1)) == sorted([one.url, two.url])
+
+
+def test_run_mode_takes_back_an_acquire_that_lands_after_the_run(
+    app_factory: Any, server: RedisServer, record: redis.Redis
+) -> None:
+    """lock_on_backend_error="run": the body ran unprotected; the timed-out acquire lands later."""
+    from tests.conftest import LOCK_DB
+    from tests.servers import FaultProxy, wait_until
+
+    proxy = FaultProxy(server.port)
+    try:
+        app: Celery = app_factory(
+            redislock_url=f"{proxy.url}/{LOCK_DB}",
+            redislock_on_backend_error="run",
+            redislock_redis_options={"socket_timeout": 0.5, "socket_connect_timeout": 0.5},
+        )
+
+        @app.task(base=SingletonTask, shared=False)
+        def job(n: int) -> int:
+            record.rpush("runs", n)
+            return n
+
+        key = job.lock_key_for((1,), {})
+        with embedded_worker(app, "threads", 1):
+            assert job.delay(0).get(timeout=20) == 0  # connections open
+            proxy.blackhole()
+            assert job.delay(1).get(timeout=30) == 1  # ran without its lock
+            proxy.heal_and_flush()  # the held acquire reaches Redis now
+            locks = server.client(LOCK_DB)
+            locks.ping()  # queued behind it
+            # Well before its 30 s TTL would free it.
+            wait_until(lambda: locks.exists(key) == 0, timeout=20, message="the late value")
+    finally:
+        proxy.close()

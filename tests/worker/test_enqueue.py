@@ -13,9 +13,9 @@ from celery import Celery, chain, group
 
 from celery_redislock import AlreadyQueued, Retry, SingletonTask, Wait, is_skipped
 from celery_redislock.task import QUEUED_TOKEN_HEADER
-from tests.conftest import BROKER_DB, embedded_worker
+from tests.conftest import BROKER_DB, LOCK_DB, embedded_worker
 from tests.helpers import decoded, hold_lock
-from tests.servers import RedisServer, wait_until
+from tests.servers import FaultProxy, RedisServer, wait_until
 
 pytestmark = pytest.mark.worker
 
@@ -398,3 +398,78 @@ def test_a_late_enqueue_lock_after_a_failed_publish_is_taken_back(
         store.resume()  # the frozen acquire's script runs now
     locks = store.client()
     wait_until(lambda: locks.exists(key) == 0, timeout=30, message="the phantom queued key")
+
+
+def test_a_late_enqueue_lock_after_a_successful_publish_is_taken_back(
+    app_factory: Any, server: RedisServer, record: redis.Redis
+) -> None:
+    """The producer's acquire times out, the task is published and runs; then the acquire lands."""
+    proxy = FaultProxy(server.port)
+    try:
+        producer = app_factory(
+            redislock_url=f"{proxy.url}/{LOCK_DB}",
+            redislock_redis_options={"socket_timeout": 0.5, "socket_connect_timeout": 0.5},
+        )
+        worker_app = app_factory()  # the worker reaches the lock store directly
+
+        def report(n: int) -> int:
+            record.rpush("runs", n)
+            return n
+
+        options = {"base": SingletonTask, "shared": False, "name": "late.report"}
+        produce = producer.task(lock_enqueue=True, **options)(report)
+        worker_app.task(lock_enqueue=True, **options)(report)
+        key = produce.lock_key_for((1,), {})
+        with embedded_worker(worker_app, "threads", 1):
+            assert produce.delay(0).get(timeout=20) == 0  # connections open
+            proxy.blackhole()  # the producer's packets to the lock store are held up
+            first = produce.delay(1)  # published without its enqueue lock
+            assert first.get(timeout=20) == 1
+            proxy.heal_and_flush()  # the held acquire reaches Redis now
+            locks = server.client(LOCK_DB)
+            locks.ping()  # queued behind it
+            wait_until(lambda: locks.exists(key) == 0, timeout=20, message="the late token")
+            again = produce.delay(1)
+            assert again.id != first.id and again.get(timeout=20) == 1
+    finally:
+        proxy.close()
+
+
+def test_the_take_back_of_a_failed_enqueue_never_frees_a_retrys_hand_off(
+    app_factory: Any, redis_server_factory: Any, record: redis.Redis
+) -> None:
+    """Published without its enqueue lock (store restarting), the task runs and
+    calls self.retry(): the key it hands to its queued retry must survive the
+    background take-back of the failed enqueue's token."""
+    store: RedisServer = redis_server_factory()
+    app: Celery = app_factory(
+        redislock_url=store.url,
+        redislock_redis_options={"socket_timeout": 0.5, "socket_connect_timeout": 0.5},
+    )
+
+    @app.task(base=SingletonTask, bind=True, shared=False, lock_enqueue=True)
+    def sync(self: Any, account: int) -> str:
+        record.rpush("runs", f"{self.request.id}:{self.request.retries}")
+        if self.request.retries == 0:
+            raise self.retry(countdown=8)
+        return f"synced {account}"
+
+    key = sync.lock_key_for((7,), {})
+    locks = store.client()
+    with embedded_worker(app, "threads", 2):
+        store.stop()  # restarting: the enqueue acquire fails
+        first = sync.delay(7)  # published without its enqueue lock
+        store.start()
+        wait_until(lambda: record.llen("runs") == 1, timeout=20, message="the first run")
+        wait_until(lambda: locks.exists(key) == 1, timeout=10, message="the hand-off")
+        # Through the take-back's attempts at 0.5, 1.5 and 3.5 s: the key stays.
+        wait_until(
+            lambda: record.llen("runs") == 2 or locks.exists(key) == 0,
+            timeout=20,
+            message="the retry or a freed key",
+        )
+        assert record.llen("runs") == 2 or locks.exists(key) == 1, "freed during the countdown"
+        again = sync.delay(7)
+        assert first.get(timeout=30) == "synced 7"
+        assert again.id == first.id or again.get(timeout=30) == "synced 7"
+    assert [run.split(":")[0] for run in record.lrange("runs", 0, -1)[:2]] == [first.id] * 2

@@ -129,3 +129,47 @@ def test_a_redelivered_copy_held_off_by_another_task_is_never_skipped_by_a_compo
         },
     )
     assert app.AsyncResult("redelivered").state == "RETRY"
+
+
+def test_a_redelivered_copy_stays_protected_through_its_lock_retries(
+    app: Celery, lock_client: redis.Redis, server: RedisServer
+) -> None:
+    """The re-send of a redelivered copy is not itself marked redelivered by
+    the broker: the package's header must carry it, or its next contention
+    skips the task."""
+    from celery.signals import before_task_publish
+
+    from celery_redislock.task import REDELIVERED_HEADER
+
+    @app.task(base=SingletonTask, shared=False, lock_on_contention=Skip())
+    def job() -> None: ...
+
+    hold_lock(lock_client, job, holder_task_id="someone-else", ttl=30)
+    published: list[dict[str, Any]] = []
+
+    def capture(headers: dict[str, Any], **_: Any) -> None:
+        published.append(dict(headers))
+
+    before_task_publish.connect(capture, weak=False)
+    try:
+        trace = build_tracer(job.name, job, app=app, eager=False)
+        request = {
+            "id": "copy",
+            "delivery_info": {"redelivered": True, "routing_key": "tests", "exchange": ""},
+            "headers": {},
+            "retries": 0,
+            "hostname": "celery@test",
+        }
+        trace("copy", (), {}, request)
+        assert app.AsyncResult("copy").state == "RETRY"
+        assert published and published[-1].get(REDELIVERED_HEADER) is True
+        # The re-sent message, as the next worker receives it: not redelivered
+        # by the broker, but carrying the header.
+        resent = {**request, "delivery_info": {"routing_key": "tests", "exchange": ""}}
+        resent["headers"] = {k: v for k, v in published[-1].items() if k.startswith("redislock")}
+        published.clear()
+        trace("copy", (), {}, resent)
+        assert app.AsyncResult("copy").state == "RETRY"
+        assert published, "the second contention must re-send again, not skip"
+    finally:
+        before_task_publish.disconnect(capture)

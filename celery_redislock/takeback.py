@@ -1,0 +1,146 @@
+"""Taking back values that nobody will use: one background thread per process.
+
+An acquire whose reply never came (a timeout, an interrupt between sending
+and reading) may still run once the lock store answers, on its own closed
+connection, and leave a value that blocks the key for its whole TTL. Its
+caller cannot wait to find out, so it hands a *take-back* here: a
+compare-and-delete of exactly that value, tried at once and then again for
+about a minute.
+
+All take-backs of a process share one daemon thread and one heap of due
+times: a burst of failures (a lock store that froze under load) queues work,
+not threads. After a fork the child starts empty; its parent keeps trying.
+"""
+
+from __future__ import annotations
+
+import _thread
+import heapq
+import itertools
+import logging
+import os
+import threading
+from collections.abc import Callable
+
+from celery_redislock._clock import clock
+from celery_redislock.backend import LockBackend, ReleaseOutcome
+from celery_redislock.exceptions import LockBackendError
+
+__all__ = ["DELAYS", "pending", "take_back", "take_back_value"]
+
+logger = logging.getLogger(__name__)
+
+#: Seconds between the attempts to take a value back (about a minute in all).
+DELAYS = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
+
+#: One attempt: True once settled (deleted, or the key holds someone else's
+#: value, which a late acquire could not displace); False to try again.
+Attempt = Callable[[], bool]
+
+
+class _Worker:
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        # The condition is made on first use, not at import: the package may
+        # be imported before gevent patches threading (gunicorn --preload),
+        # and a greenlet waiting on a native lock would block its whole hub.
+        # The guard only covers that creation, never a wait.
+        self._guard = _thread.allocate_lock()
+        self._cond: threading.Condition | None = None
+        # (due, sequence, attempts made, attempt): sequence breaks ties.
+        self._heap: list[tuple[float, int, int, Attempt]] = []
+        self._sequence = itertools.count()
+        self._running = False
+
+    def _condition(self) -> threading.Condition:
+        with self._guard:
+            if self._cond is None:
+                self._cond = threading.Condition(threading.Lock())
+            return self._cond
+
+    def add(self, attempt: Attempt) -> None:
+        cond = self._condition()
+        with cond:
+            heapq.heappush(self._heap, (clock() + DELAYS[0], next(self._sequence), 1, attempt))
+            start, self._running = not self._running, True
+            cond.notify()
+        if start:
+            thread = threading.Thread(target=self._run, name="redislock-take-back", daemon=True)
+            thread.start()
+
+    def pending(self) -> int:
+        with self._condition():
+            return len(self._heap)
+
+    def _run(self) -> None:
+        cond = self._condition()
+        try:
+            while True:
+                with cond:
+                    while not self._heap or self._heap[0][0] > clock():
+                        cond.wait(None if not self._heap else self._heap[0][0] - clock())
+                    _, _, made, attempt = heapq.heappop(self._heap)
+                try:
+                    settled = attempt()
+                except Exception:
+                    logger.exception("taking back a lock value failed")
+                    settled = False
+                if not settled and made < len(DELAYS):
+                    with cond:
+                        entry = (clock() + DELAYS[made], next(self._sequence), made + 1, attempt)
+                        heapq.heappush(self._heap, entry)
+        finally:
+            # Killed by something other than an Exception: let the next
+            # take-back start a thread again.
+            with cond:
+                self._running = False
+
+
+_WORKER = _Worker()
+# The child of a fork has no thread and must not redo its parent's work.
+os.register_at_fork(after_in_child=_WORKER._reset)
+
+
+def take_back(attempt: Attempt) -> None:
+    """Run ``attempt`` now; if it does not settle, again from the background thread.
+
+    Args:
+        attempt: One compare-and-delete; returns True once settled. It must
+            not raise for a lock-store error (return False instead).
+    """
+    if attempt():
+        return
+    _WORKER.add(attempt)
+
+
+def pending() -> int:
+    """Take-backs waiting for their next attempt (for tests and the CLI)."""
+    return _WORKER.pending()
+
+
+def take_back_value(backend: LockBackend, key: str, value: str, *, now: bool = True) -> None:
+    """Take back ``value`` from ``key`` (compare-and-delete), now and for about a minute.
+
+    Args:
+        backend: The lock store the value may have reached.
+        key: The lock key.
+        value: Exactly the value the unanswered acquire sent.
+        now: Make the first attempt in the calling thread. False when the
+            store has just failed: the caller should not wait on it again.
+    """
+
+    def attempt() -> bool:
+        try:
+            outcome = backend.release(key, value)
+        except LockBackendError as exc:
+            logger.debug("taking back lock %s: %s; trying again later", key, exc)
+            return False
+        # ALREADY_GONE: the late acquire may not have landed yet.
+        return outcome in (ReleaseOutcome.RELEASED, ReleaseOutcome.NOT_OURS)
+
+    if now:
+        take_back(attempt)
+    else:
+        _WORKER.add(attempt)

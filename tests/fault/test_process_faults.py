@@ -32,10 +32,11 @@ def writes(c: Cluster, name: str) -> list[tuple[str, int, bool, bool]]:
 
 def test_whole_worker_killed_a_duplicate_runs_within_ttl_plus_2s(cluster: Cluster) -> None:  # noqa: F811
     ttl = 2.0
-    doomed = cluster.worker(ttl=ttl)
-    cluster.worker(ttl=ttl)
+    workers = [cluster.worker(ttl=ttl), cluster.worker(ttl=ttl)]
     first = cluster.send("fenced_write", "wk", 60, "first")
-    cluster.started(first.id)
+    holder_pid = int(cluster.started(first.id)["pid"])
+    # Either worker may have taken it (both block on the queue): kill the one that runs it.
+    doomed = next(w for w in workers if holder_pid in w.children())
     for pid in doomed.children():
         os.kill(pid, signal.SIGKILL)
     doomed.signal(signal.SIGKILL)

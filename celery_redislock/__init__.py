@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from celery_redislock.backend import ReleaseOutcome
 from celery_redislock.exceptions import (
     AlreadyQueued,
     ConfigurationError,
@@ -13,7 +12,8 @@ from celery_redislock.exceptions import (
     LockNotOwned,
     RedisLockError,
 )
-from celery_redislock.lock import LockHandle, RedisLock
+from celery_redislock.lease import LockHandle
+from celery_redislock.lock import RedisLock
 from celery_redislock.policies import (
     Contention,
     ContentionPolicy,
@@ -23,6 +23,7 @@ from celery_redislock.policies import (
     Wait,
     is_skipped,
 )
+from celery_redislock.request import SingletonRequest
 from celery_redislock.signals import (
     lock_acquired,
     lock_contended,
@@ -30,7 +31,8 @@ from celery_redislock.signals import (
     lock_released,
     lock_renewed,
 )
-from celery_redislock.task import SingletonRequest, SingletonTask, SingletonTaskMixin
+from celery_redislock.store import ReleaseOutcome
+from celery_redislock.task import SingletonTask, SingletonTaskMixin
 
 __version__ = "0.1.0"
 

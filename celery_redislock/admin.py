@@ -24,8 +24,8 @@ from typing import Any
 
 from celery import Celery
 
-from celery_redislock.backend import ReleaseOutcome
-from celery_redislock.config import AppSettings, TaskSettings, app_settings
+from celery_redislock.settings import AppSettings, TaskSettings, app_settings
+from celery_redislock.store import ReleaseOutcome
 from celery_redislock.tokens import QUEUED_HOST, LockValue
 
 __all__ = ["LIVE_GRACE", "LockInventory", "LockRecord"]

@@ -17,8 +17,8 @@ import click
 from celery.bin.base import CeleryCommand, CeleryOption, handle_preload_options
 
 from celery_redislock.admin import LockInventory, LockRecord
-from celery_redislock.backend import ReleaseOutcome
 from celery_redislock.exceptions import RedisLockError
+from celery_redislock.store import ReleaseOutcome
 
 __all__ = ["redislock"]
 

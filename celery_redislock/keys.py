@@ -39,6 +39,8 @@ __all__ = [
     "bind_lock_arguments",
     "canonical_encoding",
     "custom_key",
+    "fence_key",
+    "release_channel",
     "task_key",
     "validate_lock_args",
 ]
@@ -262,3 +264,20 @@ def custom_key(
     if not isinstance(value, str) or not value:
         raise LockKeyError(f"{task}: lock_key must return a non-empty str, it returned {value!r}")
     return f"{prefix}:{{{value}}}"
+
+
+def fence_key(key: str) -> str:
+    """Return the key of ``key``'s fence counter, in the same Redis Cluster slot.
+
+    A key with a hash tag (``...{tag}...``) keeps it; any other key becomes
+    the tag itself (``{key}:fence``), which Redis hashes exactly as ``key``.
+    """
+    start = key.find("{")
+    if start >= 0 and key.find("}", start + 1) > start + 1:
+        return f"{key}:fence"
+    return f"{{{key}}}:fence"
+
+
+def release_channel(key: str) -> str:
+    """Return the pub/sub channel a release of ``key`` is announced on."""
+    return f"{key}:released"

@@ -21,9 +21,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
+from celery.utils.time import get_exponential_backoff_interval
+
 from celery_redislock.exceptions import ConfigurationError, LockContended
 
 __all__ = [
+    "BACKEND_BACKOFF_MAX",
     "LOCK_ACQUIRED",
     "SKIPPED_MARKER",
     "Contention",
@@ -34,6 +37,7 @@ __all__ = [
     "RetryWhileOwnDeliveryHolds",
     "Skip",
     "Wait",
+    "backend_error_countdown",
     "is_skipped",
     "resolve_policy",
     "skipped_result",
@@ -295,3 +299,21 @@ def resolve_policy(
         f"{where} must be one of {', '.join(map(repr, _SHORTHANDS))} or a ContentionPolicy "
         f"object (Skip(), Retry(...), Raise(), Wait(...)), got {value!r}"
     )
+
+
+#: Longest wait, in seconds, before a re-send after a lock-store error.
+BACKEND_BACKOFF_MAX = 60.0
+
+
+def backend_error_countdown(attempt: int) -> float:
+    """Seconds before the re-send that follows the ``attempt``-th lock-store error (from 0).
+
+    Celery's exponential backoff (1, 2, 4 ... 60 s) with "equal" jitter:
+    between half and all of it. Not Celery's full jitter, which works in
+    whole seconds from 0: the first retries would often come back at once,
+    against a store that has just failed.
+    """
+    ceiling = get_exponential_backoff_interval(
+        factor=1, retries=attempt, maximum=int(BACKEND_BACKOFF_MAX), full_jitter=False
+    )
+    return float(ceiling) * random.uniform(0.5, 1.0)

@@ -23,8 +23,8 @@ import threading
 from collections.abc import Callable
 
 from celery_redislock._clock import clock
-from celery_redislock.backend import LockBackend, ReleaseOutcome
 from celery_redislock.exceptions import LockBackendError
+from celery_redislock.store import LockStore, ReleaseOutcome
 
 __all__ = ["DELAYS", "pending", "take_back", "take_back_value"]
 
@@ -120,7 +120,7 @@ def pending() -> int:
     return _WORKER.pending()
 
 
-def take_back_value(backend: LockBackend, key: str, value: str, *, now: bool = True) -> None:
+def take_back_value(backend: LockStore, key: str, value: str, *, now: bool = True) -> None:
     """Take back ``value`` from ``key`` (compare-and-delete), now and for about a minute.
 
     Args:

@@ -14,7 +14,7 @@ import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
-from celery_redislock.config import forget_app_settings
+from celery_redislock.settings import forget_app_settings
 from tests.servers import RedisServer
 
 BROKER_DB, RESULT_DB, LOCK_DB, RECORD_DB = 0, 1, 2, 3

@@ -12,7 +12,7 @@ import redis
 from bench.harness import peers_available
 from bench.report import Report
 from celery_redislock import RedisLock
-from celery_redislock.renewal import renewer
+from celery_redislock.renewer import renewer
 from tests.servers import RedisServer
 
 

@@ -18,8 +18,8 @@ import pytest
 from celery import Celery
 
 from celery_redislock import LockBackendError, SingletonTask, lock_lost
-from celery_redislock.config import forget_app_settings
 from celery_redislock.fencing import FencedStore, StaleFence
+from celery_redislock.settings import forget_app_settings
 from tests.servers import FaultProxy, RedisServer, SentinelServer, wait_until
 
 pytestmark = [pytest.mark.fault, pytest.mark.slow]

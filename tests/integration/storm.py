@@ -31,7 +31,7 @@ import redis
 from celery import Celery
 
 from celery_redislock import RedisLock, SingletonTask, lock_lost
-from celery_redislock.renewal import renewer
+from celery_redislock.renewer import renewer
 from tests.servers import wait_until
 
 

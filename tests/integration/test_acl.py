@@ -11,7 +11,7 @@ from celery import Celery
 
 from celery_redislock import LockBackendError, SingletonTask, Wait, is_skipped
 from celery_redislock.admin import LockInventory
-from celery_redislock.config import forget_app_settings
+from celery_redislock.settings import forget_app_settings
 from tests.servers import RedisServer, wait_until
 
 #: The rules the README documents for a lock-store user, key prefix "redislock".

@@ -13,8 +13,9 @@ from redis.cluster import RedisCluster
 
 from celery_redislock import RedisLock, SingletonTask, is_skipped
 from celery_redislock.admin import LockInventory
-from celery_redislock.backend import LockBackend, RenewOutcome, fence_key
-from celery_redislock.config import forget_app_settings
+from celery_redislock.keys import fence_key
+from celery_redislock.settings import forget_app_settings
+from celery_redislock.store import LockStore, RenewOutcome
 from tests.servers import RedisClusterServers, wait_until
 
 pytestmark = pytest.mark.slow
@@ -87,7 +88,7 @@ def test_task_locks_spread_over_every_master_and_contend(
 def test_renewal_groups_keys_by_slot_and_keeps_the_callers_order(
     cluster: RedisClusterServers, client: RedisCluster
 ) -> None:
-    backend = LockBackend(client=client)
+    backend = LockStore(client=client)
     same_slot = [f"{{tenant}}:job:{i}" for i in range(600)]  # one slot: 2 chunks of <= 500
     spread = [f"job:{i}" for i in range(30)]  # 30 keys, whatever slots they hash to
     items = []

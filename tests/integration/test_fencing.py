@@ -8,8 +8,9 @@ import pytest
 import redis
 
 from celery_redislock import RedisLock
-from celery_redislock.backend import LockBackend, fence_key
 from celery_redislock.fencing import FencedStore, StaleFence
+from celery_redislock.keys import fence_key
+from celery_redislock.store import LockStore
 from tests.conftest import LOCK_DB
 from tests.servers import RedisServer
 
@@ -24,7 +25,7 @@ def test_fences_strictly_increase_per_key(lock_client: redis.Redis) -> None:
 
 
 def test_retry_of_the_same_acquire_and_adoption_keep_the_fence(server: RedisServer) -> None:
-    backend = LockBackend(server.url_for(LOCK_DB))
+    backend = LockStore(server.url_for(LOCK_DB))
     first = backend.acquire("k", "mine", 5000)
     again = backend.acquire("k", "mine", 5000)  # a client retry after a lost reply
     adopted = backend.acquire("k", "running", 5000, adopt=("mine",))
@@ -35,7 +36,7 @@ def test_retry_of_the_same_acquire_and_adoption_keep_the_fence(server: RedisServ
 
 def test_fences_keep_increasing_after_redis_restarts_empty(redis_server_factory) -> None:  # type: ignore[no-untyped-def]
     server: RedisServer = redis_server_factory()
-    backend = LockBackend(server.url)
+    backend = LockStore(server.url)
     before = backend.acquire("k", "a", 60000).fence
     server.restart()  # the counter is gone with everything else
     after = backend.acquire("k", "b", 60000).fence
@@ -43,7 +44,7 @@ def test_fences_keep_increasing_after_redis_restarts_empty(redis_server_factory)
 
 
 def test_the_fence_counter_expires(server: RedisServer, lock_client: redis.Redis) -> None:
-    backend = LockBackend(server.url_for(LOCK_DB), fence_ttl=2)
+    backend = LockStore(server.url_for(LOCK_DB), fence_ttl=2)
     backend.acquire("k", "v", 1000)
     assert 0 < lock_client.pttl(fence_key("k")) <= 2000  # no key left behind for ever
     backend.acquire("long", "v", 10_000)

@@ -124,9 +124,9 @@ PRELOADED = textwrap.dedent(
         from gevent import monkey
         monkey.patch_all()
         import gevent
-        from celery_redislock.backend import LockBackend
+        from celery_redislock.store import LockStore
 
-        backend = LockBackend(sys.argv[1])
+        backend = LockStore(sys.argv[1])
         beats = []
 
         def beat():

@@ -190,7 +190,7 @@ def test_a_with_lock_whose_exit_never_ran_stops_renewing_and_is_taken_back(
 ) -> None:
     """An exception on __exit__'s first instruction skips its release: the
     dropped lock object must not stay renewed for ever."""
-    from celery_redislock.renewal import renewer
+    from celery_redislock.renewer import renewer
     from tests.servers import wait_until
 
     lock = RedisLock(lock_client, "abandoned", ttl=0.6)
@@ -207,7 +207,7 @@ def test_a_lock_nobody_keeps_a_reference_to_is_still_renewed(lock_client: redis.
     assert RedisLock(lock_client, "unreferenced", ttl=0.3).acquire(blocking=False)
     gc.collect()
     value = lock_client.get("unreferenced")
-    from celery_redislock.renewal import renewer
+    from celery_redislock.renewer import renewer
 
     trips = renewer().round_trips
     from tests.servers import wait_until
@@ -239,7 +239,7 @@ def test_a_forked_child_leaving_the_with_block_never_touches_the_parents_lock(
     lock_client: redis.Redis, server: RedisServer
 ) -> None:
     """The child inherits the scoped handle and its finalizer; it never owned the lock."""
-    from celery_redislock.renewal import renewer
+    from celery_redislock.renewer import renewer
     from tests.servers import wait_until
 
     with RedisLock(lock_client, "forked", ttl=1.0):

@@ -14,7 +14,7 @@ import pytest
 from celery import Celery
 
 from celery_redislock import is_skipped
-from celery_redislock.config import forget_app_settings
+from celery_redislock.settings import forget_app_settings
 from tests.conftest import LOCK_DB, RECORD_DB, make_app
 from tests.processes import app as worker_app
 from tests.servers import CeleryWorkerProcess, RedisServer, wait_until

@@ -335,9 +335,9 @@ def test_a_naive_eta_is_read_as_utc_as_celery_reads_it(
 
 def test_a_release_retried_after_a_hand_over_reports_released(lock_client: redis.Redis) -> None:
     """The first attempt's reply was lost after it handed the key over."""
-    from celery_redislock.backend import LockBackend, ReleaseOutcome
+    from celery_redislock.store import LockStore, ReleaseOutcome
 
-    backend = LockBackend.for_client(lock_client)
+    backend = LockStore.for_client(lock_client)
     assert backend.acquire("handed", "running-value", 30_000).acquired
     assert backend.release("handed", "running-value", "queued-value", 30_000) == (
         ReleaseOutcome.RELEASED

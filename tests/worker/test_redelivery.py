@@ -11,7 +11,7 @@ from celery import Celery
 from celery.app.trace import build_tracer
 
 from celery_redislock import Retry, SingletonTask, Skip, Wait, lock_contended
-from celery_redislock.backend import RENEW_SCRIPT
+from celery_redislock.scripts import RENEW_SCRIPT
 from tests.conftest import BROKER_DB, embedded_worker
 from tests.helpers import hold_lock
 from tests.servers import RedisServer, wait_until

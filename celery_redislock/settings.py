@@ -14,17 +14,19 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from celery import Celery
+from celery.utils.imports import symbol_by_name
 
-from celery_redislock.backend import LockBackend
 from celery_redislock.exceptions import ConfigurationError
-from celery_redislock.lock import validate_ttl
 from celery_redislock.policies import ContentionPolicy, resolve_policy
+from celery_redislock.store import LockStore
 from celery_redislock.urls import mask_url
+
+if TYPE_CHECKING:
+    from celery import Celery
 
 __all__ = [
     "DEFAULTS",
@@ -35,8 +37,10 @@ __all__ = [
     "validate_count",
     "validate_hold",
     "validate_lost_mode",
+    "validate_ttl",
 ]
 
+# The documented logger name (the module was config.py).
 logger = logging.getLogger("celery_redislock.config")
 
 #: Library defaults, by app setting name.
@@ -56,10 +60,25 @@ DEFAULTS: Mapping[str, Any] = {
     "redislock_hold_after_success": 0.0,
     "redislock_beat_on_contention": "skip",
     "redislock_fence_ttl": 3600.0,
+    "redislock_store_class": None,
     "redislock_on_lost": "report",
     "redislock_min_replicas": 0,
     "redislock_min_replicas_timeout": 1.0,
 }
+
+
+def validate_ttl(ttl: Any, where: str) -> float:
+    """Return ``ttl`` as seconds, or raise :class:`ConfigurationError`."""
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)):
+        raise ConfigurationError(f"{where} must be a number of seconds, got {ttl!r}")
+    if not ttl > 0 or ttl != ttl or ttl == float("inf"):
+        raise ConfigurationError(
+            f"{where} must be a positive, finite number of seconds, got {ttl!r}"
+        )
+    if ttl < 0.01:
+        raise ConfigurationError(f"{where} must be at least 0.01 seconds, got {ttl!r}")
+    return float(ttl)
+
 
 BACKEND_ERROR_MODES = ("fail", "run")
 
@@ -116,7 +135,7 @@ class AppSettings:
     on_lost: str
     min_replicas: int
     min_replicas_timeout: float
-    backend: LockBackend = field(compare=False, repr=False)
+    backend: LockStore = field(compare=False, repr=False)
 
 
 _CACHE: weakref.WeakKeyDictionary[Celery, AppSettings] = weakref.WeakKeyDictionary()
@@ -154,6 +173,25 @@ def _resolve_url(app: Celery) -> str:
         shown = mask_url(url) if isinstance(url, str) else url
         raise ConfigurationError(f"redislock_url must be a redis:// URL, got {shown!r}")
     return url
+
+
+def _store_class(value: Any) -> type[LockStore]:
+    """``redislock_store_class``: a :class:`LockStore` subclass, or its ``"module:Class"`` path."""
+    if value is None:
+        return LockStore
+    found = value
+    if isinstance(value, str):
+        try:
+            found = symbol_by_name(value)
+        except (ImportError, AttributeError, ValueError) as exc:
+            raise ConfigurationError(
+                f"redislock_store_class {value!r} cannot be imported: {exc}"
+            ) from exc
+    if not (isinstance(found, type) and issubclass(found, LockStore)):
+        raise ConfigurationError(
+            f"redislock_store_class must be a subclass of LockStore, got {value!r}"
+        )
+    return found
 
 
 def _read(app: Celery) -> AppSettings:
@@ -196,7 +234,7 @@ def _read(app: Celery) -> AppSettings:
         min_replicas_timeout=validate_ttl(
             _get(app, "redislock_min_replicas_timeout"), "redislock_min_replicas_timeout"
         ),
-        backend=LockBackend(
+        backend=_store_class(_get(app, "redislock_store_class"))(
             url,
             dict(options),
             renew_timeout=renew_timeout,
@@ -234,7 +272,7 @@ class TaskSettings:
     """One task's effective settings: its ``lock_*`` attributes over the app's."""
 
     app: AppSettings
-    backend: LockBackend
+    backend: LockStore
     enabled: bool
     ttl: float
     ttl_ms: int
@@ -275,3 +313,32 @@ class TaskSettings:
             min_replicas=int(pick("lock_min_replicas", app.min_replicas)),
             min_replicas_timeout=float(pick("lock_min_replicas_timeout", app.min_replicas_timeout)),
         )
+
+
+def validate_task_options(cls: type, where: str) -> None:
+    """Check a task class's ``lock_*`` options when the class is made, not when it runs.
+
+    Raises:
+        ConfigurationError: an option has a bad value, or ``lock_args`` and
+            ``lock_key`` are both set.
+    """
+    validators: dict[str, Callable[[Any, str], Any]] = {
+        "lock_ttl": validate_ttl,
+        "lock_enqueue_ttl": validate_ttl,
+        "lock_on_contention": resolve_policy,
+        "lock_beat_on_contention": resolve_policy,
+        "lock_on_lost": validate_lost_mode,
+        "lock_hold_after_success": validate_hold,
+        "lock_on_backend_error": validate_backend_error_mode,
+        "lock_min_replicas": validate_count,
+        "lock_min_replicas_timeout": validate_ttl,
+    }
+    for attribute, validate in validators.items():
+        value = getattr(cls, attribute)
+        if value is not None:
+            validate(value, f"{where}: {attribute}")
+    key_function = getattr(cls, "lock_key", None)
+    if key_function is not None and not callable(key_function):
+        raise ConfigurationError(f"{where}: lock_key must be callable, got {key_function!r}")
+    if key_function is not None and getattr(cls, "lock_args", None) is not None:
+        raise ConfigurationError(f"{where}: set lock_args or lock_key, not both")

@@ -21,18 +21,16 @@ import logging
 import os
 import weakref
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from celery_redislock._clock import clock
-from celery_redislock.backend import LockBackend, RenewOutcome
 from celery_redislock.exceptions import LockBackendError
+from celery_redislock.store import LockStore, RenewOutcome
 from celery_redislock.takeback import take_back_value
 
-if TYPE_CHECKING:
-    from celery_redislock.lock import LockHandle
+__all__ = ["Renewable", "Renewer", "native_lock", "renewer"]
 
-__all__ = ["Renewer", "native_lock", "renewer"]
-
+# The documented logger name (the module was renewal.py).
 logger = logging.getLogger("celery_redislock.renewal")
 
 #: Longest sleep when nothing is due, so a stuck wake-up heals by itself.
@@ -64,8 +62,30 @@ def native_lock() -> Any:
     return _native("_thread", "allocate_lock")()
 
 
+class Renewable(Protocol):
+    """What the renewer needs of a held lock (a :class:`~celery_redislock.lease.Renewable`).
+
+    The renewer reads the schedule and the token, and reports each outcome
+    back through the two methods; it never holds a lock of its own.
+    """
+
+    backend: LockStore
+    key: str
+    value: str
+    ttl_ms: int
+    renew_period: float
+    renew_at: float
+    valid_until: float
+
+    def _renewed(self, sent_at: float) -> None:
+        """The lock was renewed by a call sent at ``sent_at`` (:func:`clock`)."""
+
+    def _mark_lost(self, reason: str) -> None:
+        """The lock is gone, stolen or past its lease: report it once."""
+
+
 class Renewer:
-    """Keeps registered :class:`LockHandle` objects alive from one thread."""
+    """Keeps registered :class:`Renewable` objects alive from one thread."""
 
     def __init__(self) -> None:
         self._reset()
@@ -78,15 +98,15 @@ class Renewer:
         self._wake.acquire()
         # Strong references: `if RedisLock(client, name).acquire(): work()`
         # keeps no reference to the lock, and must stay renewed while it works.
-        self._handles: dict[int, LockHandle] = {}
+        self._handles: dict[int, Renewable] = {}
         # Weak references for scoped locks (``with RedisLock(...)``): if the
         # release in ``__exit__`` never ran (an exception landed on its
         # first instruction), the lock object is dropped, and with it the
         # handle: renewal stops and the value is taken back (see abandon()).
-        self._scoped: weakref.WeakValueDictionary[int, LockHandle] = weakref.WeakValueDictionary()
+        self._scoped: weakref.WeakValueDictionary[int, Renewable] = weakref.WeakValueDictionary()
         # (backend, key, value) of dropped scoped handles: appended from a
         # finalizer (any thread, inside the garbage collector), so no lock.
-        self._abandoned: collections.deque[tuple[LockBackend, str, str]] = collections.deque()
+        self._abandoned: collections.deque[tuple[LockStore, str, str]] = collections.deque()
         self._pid = os.getpid()
         self._running = False
         # When the thread will wake next (clock time), and how long it sleeps
@@ -97,8 +117,8 @@ class Renewer:
         self._idle_sleep = _IDLE_WAKE
         # Backends whose renewal connection this process has opened (or
         # queued for the thread to open); weak, so it keeps none alive.
-        self._warm: weakref.WeakSet[LockBackend] = weakref.WeakSet()
-        self._to_warm: list[LockBackend] = []
+        self._warm: weakref.WeakSet[LockStore] = weakref.WeakSet()
+        self._to_warm: list[LockStore] = []
         #: Clock reading of the last loop iteration (a liveness heartbeat).
         self.heartbeat: float | None = None
         #: Number of renewal round trips made (for tests and benchmarks).
@@ -117,7 +137,7 @@ class Renewer:
 
     # -- registry ------------------------------------------------------------
 
-    def register(self, handle: LockHandle, scoped: bool = False) -> None:
+    def register(self, handle: Renewable, scoped: bool = False) -> None:
         """Start keeping ``handle`` alive (starts the thread if needed).
 
         Args:
@@ -141,13 +161,13 @@ class Renewer:
         if wake:
             self._notify()
 
-    def unregister(self, handle: LockHandle) -> None:
+    def unregister(self, handle: Renewable) -> None:
         """Stop renewing ``handle``; a reply in flight for it is ignored."""
         with self._mutex:
             self._handles.pop(id(handle), None)
             self._scoped.pop(id(handle), None)
 
-    def abandon(self, backend: LockBackend, key: str, value: str) -> None:
+    def abandon(self, backend: LockStore, key: str, value: str) -> None:
         """A scoped handle was dropped while held: take its value back.
 
         Called from a finalizer, so it only queues and wakes the thread.
@@ -235,14 +255,14 @@ class Renewer:
             self._wake_at = now + sleep
         return sleep
 
-    def _renew(self, due: list[LockHandle]) -> None:
-        groups: dict[LockBackend, list[LockHandle]] = defaultdict(list)
+    def _renew(self, due: list[Renewable]) -> None:
+        groups: dict[LockStore, list[Renewable]] = defaultdict(list)
         for handle in due:
             groups[handle.backend].append(handle)
         for backend, handles in groups.items():
             self._renew_group(backend, handles)
 
-    def _renew_group(self, backend: LockBackend, handles: list[LockHandle]) -> None:
+    def _renew_group(self, backend: LockStore, handles: list[Renewable]) -> None:
         sent_at = clock()
         items = [(h.key, h.value, h.ttl_ms) for h in handles]
         try:

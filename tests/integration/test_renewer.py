@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from celery_redislock import RedisLock, lock_lost
-from celery_redislock.renewal import renewer
+from celery_redislock.renewer import renewer
 from tests.helpers import held_locks
 from tests.servers import RedisServer, wait_until
 
@@ -173,10 +173,10 @@ def test_forked_child_never_renews_or_releases_the_parents_lock(lock_client: red
 def test_renewer_survives_an_unexpected_error_in_a_tick(lock_client: redis.Redis) -> None:
     """A bug or a closed client in one backend must not stop every renewal."""
     from celery_redislock._clock import clock
-    from celery_redislock.backend import LockBackend
-    from celery_redislock.lock import LockHandle
+    from celery_redislock.lease import LockHandle
+    from celery_redislock.store import LockStore
 
-    class Broken(LockBackend):
+    class Broken(LockStore):
         def warm_up(self) -> None:
             raise ValueError("I/O operation on closed file")
 
@@ -206,10 +206,10 @@ def test_a_release_sent_again_after_an_interruption_reports_released(
 ) -> None:
     """The first release reached Redis, then an exception cut its reply off."""
     from celery_redislock import lock_released
-    from celery_redislock.backend import LockBackend
-    from celery_redislock.lock import release_completely
+    from celery_redislock.lease import release_completely
+    from celery_redislock.store import LockStore
 
-    class InterruptedOnce(LockBackend):
+    class InterruptedOnce(LockStore):
         interrupted = False
 
         def release(self, *args: Any, **kwargs: Any) -> Any:

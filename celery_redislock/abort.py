@@ -20,22 +20,33 @@ import signal
 import threading
 from collections.abc import Callable
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from celery_redislock.exceptions import LockLost
 
-if TYPE_CHECKING:
-    from celery_redislock.lock import LockHandle
+__all__ = ["ABORT_SIGNAL", "Abortable", "interrupter_for_current_thread", "withdraw_abort"]
 
-__all__ = ["ABORT_SIGNAL", "interrupter_for_current_thread", "withdraw_abort"]
-
-logger = logging.getLogger("celery_redislock.interrupt")
+logger = logging.getLogger("celery_redislock.abort")
 
 #: A real-time signal nothing in Celery or billiard uses (SIGUSR1 is the soft
 #: time limit, SIGUSR2 the debugger hook).
 ABORT_SIGNAL = signal.SIGRTMIN + 5 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR2
 
-_pending: dict[int, LockHandle] = {}
+
+class Abortable(Protocol):
+    """What an abort needs of a held lock (a :class:`~celery_redislock.lease.LockHandle`)."""
+
+    key: str
+    lost_reason: str | None
+    #: True once the execution holding it has ended: no abort may reach it.
+    finished: bool
+    #: Held while an abort is sent and while the execution finishes.
+    abort_guard: Any
+    #: Thread an asynchronous exception was sent to and not yet delivered.
+    abort_sent_to: int | None
+
+
+_pending: dict[int, Abortable] = {}
 _installed = False
 
 
@@ -53,12 +64,12 @@ def _green() -> bool:
     return bool(monkey.is_module_patched("threading"))
 
 
-def interrupter_for_current_thread() -> Callable[[LockHandle], None] | None:
+def interrupter_for_current_thread() -> Callable[[Abortable], None] | None:
     """Return a callback that aborts the calling thread, or None where impossible.
 
     The callback runs in the renewer thread. It sends the abort under the
     handle's ``abort_guard`` and only while the execution has not finished
-    (:meth:`LockHandle.finish` takes the same guard), so an abort can never
+    (``LockHandle.finish`` takes the same guard), so an abort can never
     reach code after the execution that asked for it.
     """
     global _installed
@@ -71,7 +82,7 @@ def interrupter_for_current_thread() -> Callable[[LockHandle], None] | None:
             signal.signal(ABORT_SIGNAL, _raise_if_lost)
             _installed = True
 
-        def by_signal(handle: LockHandle) -> None:
+        def by_signal(handle: Abortable) -> None:
             with handle.abort_guard:
                 if not handle.finished:
                     _pending[ident] = handle
@@ -79,7 +90,7 @@ def interrupter_for_current_thread() -> Callable[[LockHandle], None] | None:
 
         return by_signal
 
-    def by_async_exception(handle: LockHandle) -> None:
+    def by_async_exception(handle: Abortable) -> None:
         with handle.abort_guard:
             if not handle.finished:
                 handle.abort_sent_to = ident
@@ -90,10 +101,10 @@ def interrupter_for_current_thread() -> Callable[[LockHandle], None] | None:
     return by_async_exception
 
 
-def withdraw_abort(handle: LockHandle) -> None:
+def withdraw_abort(handle: Abortable) -> None:
     """Withdraw an abort sent to the calling thread and not yet delivered.
 
-    Called by :meth:`LockHandle.finish` under the handle's ``abort_guard``.
+    Called by ``LockHandle.finish`` under the handle's ``abort_guard``.
     """
     ident = threading.get_ident()
     if _pending.get(ident) is handle:

@@ -8,7 +8,7 @@ import pytest
 from celery import Celery
 
 from celery_redislock import ConfigurationError, Retry, SingletonTask, Wait
-from celery_redislock.config import app_settings, forget_app_settings
+from celery_redislock.settings import app_settings, forget_app_settings
 
 
 def new_app(**conf: Any) -> Celery:
@@ -65,6 +65,9 @@ def test_broker_fallback_only_for_redis_brokers(caplog: pytest.LogCaptureFixture
         ("redislock_redis_options", "socket_timeout=1", "must be a dict"),
         ("redislock_url", "localhost:6379", "redis:// URL"),
         ("redislock_backend_error_max_retries", -1, "int >= 0"),
+        ("redislock_store_class", "no_such_module:Store", "cannot be imported"),
+        ("redislock_store_class", "collections:OrderedDict", "subclass of LockStore"),
+        ("redislock_store_class", dict, "subclass of LockStore"),
     ],
 )
 def test_bad_settings_name_the_problem(setting: str, value: Any, message: str) -> None:

@@ -1,4 +1,4 @@
-"""Lock operations against Redis: the scripts, their outcomes, and the clients behind them.
+"""The lock store: acquire, release, renew and inspect, their outcomes, one transport.
 
 Every lock operation is one round trip over :mod:`celery_redislock.transport`
 (a single ``EVALSHA``, or one pipeline of them for batched renewal). A
@@ -26,174 +26,52 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
-from urllib.parse import unquote, urlsplit
 
 import redis
-from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 from redis.exceptions import ConnectionError, RedisError, ResponseError, TimeoutError
 from redis.retry import Retry
-from redis.sentinel import Sentinel
 
+from celery_redislock import scripts
 from celery_redislock._clock import clock
+from celery_redislock.clients import (
+    DEFAULT_OPTIONS,
+    build_client,
+    client_source,
+    default_retry,
+    describe_client,
+)
 from celery_redislock.exceptions import LockBackendError
+from celery_redislock.keys import fence_key, release_channel
 from celery_redislock.tokens import LockValue
 from celery_redislock.transport import (
     NO_RETRY,
     ClusterTopology,
     Endpoint,
-    Script,
     Subscription,
     Topology,
     connection_factory,
-    connection_settings,
     pack_command,
 )
-from celery_redislock.urls import has_credentials, mask_url
+from celery_redislock.urls import mask_url
 
 __all__ = [
     "AcquireResult",
-    "LockBackend",
+    "LockStore",
     "ReleaseOutcome",
     "RenewOutcome",
-    "fence_key",
-    "release_channel",
 ]
 
+# The logger keeps the name the README documents (the module was backend.py).
 logger = logging.getLogger("celery_redislock.backend")
 
 T = TypeVar("T")
-
-# KEYS[1]    - lock key
-# KEYS[2]    - fence counter of this key (same hash slot: see fence_key)
-# ARGV[1]    - value to store (see tokens.py)
-# ARGV[2]    - time to live in milliseconds
-# ARGV[3]    - time to live of the fence counter in milliseconds
-# ARGV[4..n] - values this caller may take over: the queued value its
-#              producer stored at enqueue time, and the values of its own
-#              earlier acquires whose replies were lost (a timeout after the
-#              script had been sent). Each is replaced by ARGV[1].
-# returns {1, fence} when the lock was taken (a new fence), when the key
-#         already holds ARGV[1] (a client retry after a lost reply: still
-#         ours, TTL refreshed, same fence) or one of ARGV[4..n] (same fence
-#         as that holder); {0, holder value, holder PTTL in ms} otherwise.
-# The fence is max(last fence + 1, server time in microseconds): it keeps
-# increasing after a restart that lost the counter, and the counter key
-# expires, so no key is left behind for ever. Lua numbers are doubles; a
-# microsecond timestamp (~1.8e15) is exact below 2^53.
-ACQUIRE_SCRIPT = """
-local current = redis.call('GET', KEYS[1])
-if current and current ~= ARGV[1] then
-    local ours = false
-    for i = 4, #ARGV do
-        if current == ARGV[i] then
-            ours = true
-            break
-        end
-    end
-    if not ours then
-        return {0, current, redis.call('PTTL', KEYS[1])}
-    end
-end
-local fence = redis.call('GET', KEYS[2])
-if not current or not fence then
-    local now = redis.call('TIME')
-    local micros = tonumber(now[1]) * 1000000 + tonumber(now[2])
-    fence = string.format('%.0f', math.max(tonumber(fence or '0') + 1, micros))
-end
-local counter_ttl = math.max(tonumber(ARGV[3]), tonumber(ARGV[2]))
-redis.call('SET', KEYS[2], fence, 'PX', counter_ttl)
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-return {1, fence}
-"""
-
-# KEYS[1] - lock key
-# ARGV[1] - the holder's whole value (mode "exact") or an owner prefix
-#           (mode "prefix", used by a worker's parent for a dead child)
-# ARGV[2] - "exact" or "prefix"
-# ARGV[3] - channel to PUBLISH on when released, to wake waiters
-# ARGV[4] - '' to delete; otherwise a value to leave in place instead
-#           (handing the lock back to a queued retry, or keeping it as an
-#           idempotency window after success)
-# ARGV[5] - time to live in milliseconds for ARGV[4]
-# returns 1 if released or handed over (also when the key already holds
-#         ARGV[4]: a retried release whose first reply was lost), 0 if the
-#         key was already gone, -1 if another holder's value is there (it is
-#         left alone)
-RELEASE_SCRIPT = """
-local current = redis.call('GET', KEYS[1])
-if not current then
-    return 0
-end
-if ARGV[4] ~= '' and current == ARGV[4] then
-    return 1
-end
-local ours
-if ARGV[2] == 'prefix' then
-    ours = string.sub(current, 1, string.len(ARGV[1])) == ARGV[1]
-else
-    ours = current == ARGV[1]
-end
-if not ours then
-    return -1
-end
-if ARGV[4] ~= '' then
-    redis.call('SET', KEYS[1], ARGV[4], 'PX', ARGV[5])
-else
-    redis.call('DEL', KEYS[1])
-end
-redis.call('PUBLISH', ARGV[3], '1')
-return 1
-"""
-
-# KEYS[1..n] - lock keys
-# ARGV[i]    - the holder's value for KEYS[i]
-# ARGV[n+i]  - new time to live in milliseconds for KEYS[i]
-# returns one status per key: 1 renewed, 0 gone, -1 another holder's value.
-# It only PEXPIREs a key that still holds our value; it never re-creates an
-# expired key, which would hide a gap in which someone else may have run.
-RENEW_SCRIPT = """
-local n = #KEYS
-local result = {}
-for i = 1, n do
-    local current = redis.call('GET', KEYS[i])
-    if not current then
-        result[i] = 0
-    elseif current == ARGV[i] then
-        redis.call('PEXPIRE', KEYS[i], ARGV[n + i])
-        result[i] = 1
-    else
-        result[i] = -1
-    end
-end
-return result
-"""
-
-_ACQUIRE = Script(ACQUIRE_SCRIPT)
-_RELEASE = Script(RELEASE_SCRIPT)
-_RENEW = Script(RENEW_SCRIPT)
 
 #: Keys per renewal script call: bounds how long one call blocks Redis.
 RENEW_CHUNK_SIZE = 500
 #: Times one wait subscribes again after its subscription dropped.
 _RESUBSCRIPTIONS = 3
-
-
-def fence_key(key: str) -> str:
-    """Return the key of ``key``'s fence counter, in the same Redis Cluster slot.
-
-    A key with a hash tag (``...{tag}...``) keeps it; any other key becomes
-    the tag itself (``{key}:fence``), which Redis hashes exactly as ``key``.
-    """
-    start = key.find("{")
-    if start >= 0 and key.find("}", start + 1) > start + 1:
-        return f"{key}:fence"
-    return f"{{{key}}}:fence"
-
-
-def release_channel(key: str) -> str:
-    """Return the pub/sub channel a release of ``key`` is announced on."""
-    return f"{key}:released"
 
 
 class ReleaseOutcome(enum.Enum):
@@ -255,98 +133,13 @@ def _text(value: Any, encoding: str) -> str:
 # client's pool (or by the cluster client). A backend holds no strong
 # reference to that key, so dropping the client frees the backend and closes
 # its connections (it used to keep the client alive: an fd leak per client).
-_SHARED: weakref.WeakKeyDictionary[Any, LockBackend] = weakref.WeakKeyDictionary()
+_SHARED: weakref.WeakKeyDictionary[Any, LockStore] = weakref.WeakKeyDictionary()
 _SHARED_GUARD = threading.Lock()
 
 
 def _new_shared_guard() -> None:
     global _SHARED_GUARD
     _SHARED_GUARD = threading.Lock()  # it may have been held by another thread at the fork
-
-
-os.register_at_fork(after_in_child=_new_shared_guard)
-
-_DEFAULT_OPTIONS: Mapping[str, Any] = {
-    # Bounded, so a hung Redis can never hang a task forever.
-    "socket_timeout": 5.0,
-    "socket_connect_timeout": 5.0,
-    "health_check_interval": 30,
-}
-
-#: The command retry policy when none is given: 2 quick retries.
-DEFAULT_RETRY_BACKOFF_CAP = 0.2
-DEFAULT_RETRIES = 2
-
-
-def _default_retry() -> Retry:
-    return Retry(ExponentialBackoff(cap=DEFAULT_RETRY_BACKOFF_CAP, base=0.01), DEFAULT_RETRIES)
-
-
-def _sentinel_master(url: str, options: Mapping[str, Any]) -> redis.Redis:
-    """Build a client that follows the master of a Sentinel-monitored service.
-
-    ``sentinel://[[user]:password@]host:port[,host:port...]/service[/db]``.
-    The credentials are the data nodes' (as in ``redis://``); the sentinels'
-    own connection settings go in ``redislock_redis_options["sentinel_kwargs"]``.
-    Every (re)connect asks the sentinels for the current master, and a
-    connection still open to a demoted master is dropped on its first
-    ``READONLY`` reply, so the client follows a failover by itself.
-    """
-    parsed = urlsplit(url)
-    path = [part for part in parsed.path.split("/") if part]
-    if not path or len(path) > 2:
-        raise ValueError("expected sentinel://host:port[,host:port...]/service_name[/db]")
-    service, db = path[0], int(path[1]) if len(path) > 1 else 0
-    hosts = parsed.netloc.rpartition("@")[2]
-    sentinels = []
-    for address in hosts.split(","):
-        host, _, port = address.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"sentinel address {address!r} is not host:port")
-        sentinels.append((host, int(port)))
-    options = dict(options)
-    sentinel_kwargs = options.pop("sentinel_kwargs", None)
-    if sentinel_kwargs is None:
-        # The sentinels' clients would otherwise retry with redis-py's own
-        # backoff inside every one of our attempts (measured: 23 s to give up
-        # on two unreachable sentinels). Same timeouts as the data nodes, no
-        # retry of their own: ours is the only retry loop.
-        sentinel_kwargs = {
-            name: options[name]
-            for name in ("socket_timeout", "socket_connect_timeout")
-            if name in options
-        }
-        sentinel_kwargs["retry"] = Retry(NoBackoff(), 0)
-    if parsed.username:
-        options["username"] = unquote(parsed.username)
-    if parsed.password:
-        options["password"] = unquote(parsed.password)
-    sentinel = Sentinel(sentinels, sentinel_kwargs=sentinel_kwargs, **options)  # type: ignore[no-untyped-call]
-    master: redis.Redis = sentinel.master_for(service, db=db)  # type: ignore[no-untyped-call]
-    return master
-
-
-def _build_client(url: str, options: Mapping[str, Any]) -> redis.Redis | RedisCluster:
-    try:
-        if url.startswith("sentinel://"):
-            return _sentinel_master(url, options)
-        if url.startswith(("redis+cluster://", "rediss+cluster://")):
-            scheme, rest = url.split("://", 1)
-            base = scheme.split("+")[0]
-            return RedisCluster.from_url(f"{base}://{rest}", **options)
-        return redis.Redis.from_url(url, **options)
-    except (ValueError, TypeError) as exc:
-        if has_credentials(url):
-            # redis-py's message may quote a piece of a password it misparsed.
-            detail = (
-                f"it is not a valid Redis URL ({type(exc).__name__}); check the host, port "
-                "and database number, and percent-encode / ? # and @ in the password"
-            )
-        else:
-            detail = str(exc)
-        error = LockBackendError(f"cannot use redislock_url {mask_url(url)!r}: {detail}")
-        # Not chained when credentials are present: the cause quotes the URL.
-        raise error from (None if has_credentials(url) else exc)
 
 
 class _Kind(enum.Enum):
@@ -357,7 +150,7 @@ class _Kind(enum.Enum):
     RENEWALS = "renewals"
 
 
-class LockBackend:
+class LockStore:
     """Lock operations against one Redis server (one per app setting).
 
     Args:
@@ -386,9 +179,9 @@ class LockBackend:
         fence_ttl: float = 3600.0,
     ) -> None:
         if client is None and url is None:
-            raise ValueError("LockBackend needs a url or a client")
+            raise ValueError("LockStore needs a url or a client")
         self.url = url
-        self.options = {**_DEFAULT_OPTIONS, **(options or {})}
+        self.options = {**DEFAULT_OPTIONS, **(options or {})}
         self.renew_timeout = renew_timeout
         self.fence_ttl_ms = int(fence_ttl * 1000)
         self._client: redis.Redis | RedisCluster | None = None
@@ -400,16 +193,16 @@ class LockBackend:
         self._where = "custom client"
         if client is not None:
             self._client_ref = weakref.ref(client)
-            self._where = _describe_client(client)
-            self._source: Callable[[], Any] = _client_source(client)
+            self._where = describe_client(client)
+            self._source: Callable[[], Any] = client_source(client)
         else:
             self._source = self._url_source
 
     def __repr__(self) -> str:
-        return f"<LockBackend {self.describe()}>"
+        return f"<LockStore {self.describe()}>"
 
     @classmethod
-    def for_client(cls, client: redis.Redis | RedisCluster) -> LockBackend:
+    def for_client(cls, client: redis.Redis | RedisCluster) -> LockStore:
         """Return the backend shared by every lock on ``client``'s connection pool.
 
         Sharing it is what lets the renewer serve all of them in one round
@@ -451,8 +244,8 @@ class LockBackend:
             with self._client_guard:
                 if self._client is None:
                     options = dict(self.options)
-                    options.setdefault("retry", _default_retry())
-                    self._client = _build_client(self.url, options)
+                    options.setdefault("retry", default_retry())
+                    self._client = build_client(self.url, options)
         return self._client
 
     def _after_fork(self) -> None:
@@ -462,7 +255,7 @@ class LockBackend:
         self._topologies, self._pid = {}, os.getpid()
 
     def _url_source(self) -> Any:
-        return _client_source(self.client)()
+        return client_source(self.client)()
 
     def _topology(self, kind: _Kind) -> Topology:
         if self._pid != os.getpid():
@@ -481,7 +274,7 @@ class LockBackend:
         overrides: dict[str, Any] = {}
         retry: Retry
         if kind is _Kind.COMMANDS:
-            retry = source.retry or _default_retry()
+            retry = source.retry or default_retry()
         else:
             overrides = {
                 "socket_timeout": self.renew_timeout,
@@ -565,24 +358,10 @@ class LockBackend:
             TypeError: an argument cannot be sent to Redis.
         """
         sent_at = clock()
-        keys, args = (key, fence_key(key)), (value, ttl_ms, self.fence_ttl_ms, *adopt)
-        acked: int | None = None
-        topology = self._topology(_Kind.COMMANDS)
         with self._errors("acquire", key):
-            if min_replicas > 0:
-                if isinstance(topology, ClusterTopology):
-                    raise LockBackendError(
-                        "lock_min_replicas is not available on Redis Cluster: WAIT must run on "
-                        "the connection that took the lock"
-                    )
-                timeout_ms = max(int(replicas_timeout * 1000), 1)
-                reply, acked = topology.run_for_key(
-                    key, lambda endpoint: _then_wait(endpoint, keys, args, min_replicas, timeout_ms)
-                )
-            else:
-                reply = topology.run_for_key(
-                    key, lambda endpoint: _ACQUIRE.exchange(keys, args, endpoint.encoding)
-                )
+            reply, acked = self.do_acquire(
+                key, value, ttl_ms, adopt, min_replicas, replicas_timeout
+            )
         if acked is not None and acked < min_replicas:
             self.release(key, value)
             raise LockBackendError(
@@ -595,7 +374,7 @@ class LockBackend:
         pttl = int(reply[2])
         return AcquireResult(
             False,
-            _text(reply[1], topology.endpoint_for(key).encoding),
+            _text(reply[1], self._topology(_Kind.COMMANDS).endpoint_for(key).encoding),
             pttl / 1000.0 if pttl >= 0 else None,
             sent_at=sent_at,
         )
@@ -694,38 +473,13 @@ class LockBackend:
         return self._release(key, owner_prefix, "prefix", keep, keep_ms)
 
     def _release(self, key: str, match: str, mode: str, keep: str, keep_ms: int) -> ReleaseOutcome:
-        # Releases have connections of their own (short timeout, one retry),
-        # so a frozen Redis delays a finishing task by at most two short
-        # attempts; the TTL frees the key if both fail. Releasing twice is
-        # harmless: if the first attempt's reply was lost, "already gone"
-        # means it worked.
-        args = (match, mode, release_channel(key), keep, max(keep_ms, 1))
-        attempts = 0
-
-        def make(endpoint: Endpoint) -> Callable[[Any], Any]:
-            run_script = _RELEASE.exchange((key,), args, endpoint.encoding)
-
-            def counted(connection: Any) -> Any:
-                nonlocal attempts
-                attempts += 1
-                return run_script(connection)
-
-            return counted
-
         with self._errors("release", key):
-            reply = self._topology(_Kind.RELEASES).run_for_key(key, make)
-        outcome = ReleaseOutcome(int(reply))
-        if attempts > 1 and outcome is ReleaseOutcome.ALREADY_GONE:
-            return ReleaseOutcome.RELEASED
-        return outcome
+            return ReleaseOutcome(self.do_release(key, match, mode, keep, keep_ms))
 
     def extend(self, key: str, value: str, ttl_ms: int) -> RenewOutcome:
         """Reset the lock's TTL to ``ttl_ms`` if it still holds ``value``."""
         with self._errors("extend", key):
-            reply = self._topology(_Kind.COMMANDS).run_for_key(
-                key, lambda endpoint: _RENEW.exchange((key,), (value, ttl_ms), endpoint.encoding)
-            )
-        return RenewOutcome(int(reply[0]))
+            return RenewOutcome(self.do_extend(key, value, ttl_ms))
 
     def renew_many(self, items: Sequence[tuple[str, str, int]]) -> list[RenewOutcome]:
         """Renew many locks: one pipelined round trip per node.
@@ -741,23 +495,8 @@ class LockBackend:
         """
         if not items:
             return []
-        topology = self._topology(_Kind.RENEWALS)
-        outcomes = [RenewOutcome.GONE] * len(items)
-        by_endpoint: dict[int, tuple[Endpoint, list[list[int]]]] = {}
-        # A script may only touch keys of one slot: the topology groups by
-        # slot; chunks hold indices, so outcomes keep the callers' order.
-        for endpoint, indices in topology.group([key for key, _, _ in items]):
-            chunks = by_endpoint.setdefault(id(endpoint), (endpoint, []))[1]
-            for start in range(0, len(indices), RENEW_CHUNK_SIZE):
-                chunks.append(indices[start : start + RENEW_CHUNK_SIZE])
         with self._errors("renew", items[0][0]):
-            for endpoint, chunks in by_endpoint.values():
-                calls = [_renew_call([items[i] for i in chunk]) for chunk in chunks]
-                replies = _RENEW.many(endpoint, calls)
-                for chunk, reply in zip(chunks, replies, strict=True):
-                    for index, status in zip(chunk, reply, strict=True):
-                        outcomes[index] = RenewOutcome(int(status))
-        return outcomes
+            return [RenewOutcome(status) for status in self.do_renew(items)]
 
     def inspect(self, key: str) -> tuple[str | None, float | None]:
         """Return the raw value and remaining TTL (seconds) of ``key``."""
@@ -812,6 +551,101 @@ class LockBackend:
                     if cursor in (b"0", 0, "0"):
                         break
 
+    # -- override points -------------------------------------------------
+    #
+    # Each runs one script over the transport and returns its raw reply; the
+    # public methods above map errors and build the outcome types. Override
+    # them in a subclass (as redis-py's ``Lock.do_acquire``) to add
+    # instrumentation or a different script, and pass an instance as
+    # ``RedisLock(store=...)`` or the class as ``redislock_store_class``.
+
+    def do_acquire(
+        self,
+        key: str,
+        value: str,
+        ttl_ms: int,
+        adopt: Sequence[str],
+        min_replicas: int,
+        replicas_timeout: float,
+    ) -> tuple[Any, int | None]:
+        """Run ``ACQUIRE_SCRIPT`` (then ``WAIT`` when ``min_replicas`` > 0).
+
+        Returns:
+            The script's reply, and the number of replicas that acknowledged
+            the write (``None`` when not asked for or not taken).
+        """
+        keys, args = (key, fence_key(key)), (value, ttl_ms, self.fence_ttl_ms, *adopt)
+        topology = self._topology(_Kind.COMMANDS)
+        if min_replicas > 0:
+            if isinstance(topology, ClusterTopology):
+                raise LockBackendError(
+                    "lock_min_replicas is not available on Redis Cluster: WAIT must run on "
+                    "the connection that took the lock"
+                )
+            timeout_ms = max(int(replicas_timeout * 1000), 1)
+            reply, acked = topology.run_for_key(
+                key, lambda endpoint: _then_wait(endpoint, keys, args, min_replicas, timeout_ms)
+            )
+            return reply, acked
+        reply = topology.run_for_key(
+            key, lambda endpoint: scripts.ACQUIRE.exchange(keys, args, endpoint.encoding)
+        )
+        return reply, None
+
+    def do_release(self, key: str, match: str, mode: str, keep: str, keep_ms: int) -> int:
+        """Run ``RELEASE_SCRIPT``; return its reply (1, 0 or -1).
+
+        Releases have connections of their own (short timeout, one retry), so
+        a frozen Redis delays a finishing task by at most two short attempts;
+        the TTL frees the key if both fail. If the first attempt's reply was
+        lost, the retry's "already gone" means it worked: reported as 1.
+        """
+        args = (match, mode, release_channel(key), keep, max(keep_ms, 1))
+        attempts = 0
+
+        def make(endpoint: Endpoint) -> Callable[[Any], Any]:
+            run_script = scripts.RELEASE.exchange((key,), args, endpoint.encoding)
+
+            def counted(connection: Any) -> Any:
+                nonlocal attempts
+                attempts += 1
+                return run_script(connection)
+
+            return counted
+
+        reply = int(self._topology(_Kind.RELEASES).run_for_key(key, make))
+        return 1 if attempts > 1 and reply == 0 else reply
+
+    def do_extend(self, key: str, value: str, ttl_ms: int) -> int:
+        """Run ``RENEW_SCRIPT`` for one key; return its status (1, 0 or -1)."""
+        reply = self._topology(_Kind.COMMANDS).run_for_key(
+            key,
+            lambda endpoint: scripts.RENEW.exchange((key,), (value, ttl_ms), endpoint.encoding),
+        )
+        return int(reply[0])
+
+    def do_renew(self, items: Sequence[tuple[str, str, int]]) -> list[int]:
+        """Run ``RENEW_SCRIPT`` over many keys (renewer thread only); one status per item.
+
+        One pipelined round trip per node. A script may only touch keys of
+        one slot: the topology groups by slot; chunks hold indices, so the
+        statuses keep the callers' order.
+        """
+        topology = self._topology(_Kind.RENEWALS)
+        statuses = [0] * len(items)
+        by_endpoint: dict[int, tuple[Endpoint, list[list[int]]]] = {}
+        for endpoint, indices in topology.group([key for key, _, _ in items]):
+            chunks = by_endpoint.setdefault(id(endpoint), (endpoint, []))[1]
+            for start in range(0, len(indices), RENEW_CHUNK_SIZE):
+                chunks.append(indices[start : start + RENEW_CHUNK_SIZE])
+        for endpoint, chunks in by_endpoint.values():
+            calls = [_renew_call([items[i] for i in chunk]) for chunk in chunks]
+            replies = scripts.RENEW.many(endpoint, calls)
+            for chunk, reply in zip(chunks, replies, strict=True):
+                for index, status in zip(chunk, reply, strict=True):
+                    statuses[index] = int(status)
+        return statuses
+
     def close(self) -> None:
         """Disconnect this process's idle connections (and the URL-built client)."""
         with self._guard:
@@ -821,40 +655,6 @@ class LockBackend:
         if self.url is not None and self._client is not None:
             self._client.close()
             self._client = None
-
-
-@dataclass(frozen=True)
-class _Source:
-    """What the transport needs of a redis-py client, without a reference to it.
-
-    For one server: the pool's connection class and settings (copied); for
-    a cluster: redis-py's slot map. Holding neither the client nor its pool
-    is what lets a dropped client be freed at once, with its connections.
-    """
-
-    connection_class: type | None
-    connection_kwargs: Mapping[str, Any]
-    nodes_manager: Any
-    retry: Retry | None
-
-
-def _client_source(client: redis.Redis | RedisCluster) -> Callable[[], _Source]:
-    if isinstance(client, RedisCluster):
-        source = _Source(None, {}, client.nodes_manager, getattr(client, "retry", None))
-    else:
-        pool = client.connection_pool
-        kwargs = connection_settings(pool.connection_kwargs)
-        source = _Source(pool.connection_class, kwargs, None, kwargs.get("retry"))
-    return lambda: source
-
-
-def _describe_client(client: redis.Redis | RedisCluster) -> str:
-    if isinstance(client, RedisCluster):
-        return "Redis Cluster client"
-    kwargs = client.connection_pool.connection_kwargs
-    if "path" in kwargs:
-        return f"unix://{kwargs['path']}"
-    return f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}"
 
 
 def _renew_call(chunk: Sequence[tuple[str, str, int]]) -> tuple[list[str], list[Any]]:
@@ -875,7 +675,7 @@ def _then_wait(
     ``WAIT`` counts the writes of its own connection, so it must follow the
     script on that connection, and never inside MULTI.
     """
-    acquire = _ACQUIRE.exchange(keys, args, endpoint.encoding)
+    acquire = scripts.ACQUIRE.exchange(keys, args, endpoint.encoding)
     wait = pack_command(("WAIT", replicas, timeout_ms), endpoint.encoding)
 
     def run(connection: Any) -> tuple[Any, int | None]:

@@ -3,23 +3,25 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 import redis
 
-from celery_redislock import LockBackendError, ReleaseOutcome
-from celery_redislock.backend import RENEW_CHUNK_SIZE, LockBackend, RenewOutcome
+from celery_redislock import LockBackendError, RedisLock, ReleaseOutcome, SingletonTask
+from celery_redislock.settings import app_settings
+from celery_redislock.store import RENEW_CHUNK_SIZE, LockStore, RenewOutcome
 from tests.conftest import LOCK_DB
 from tests.servers import RedisServer, wait_until
 
 
 @pytest.fixture(params=[False, True], ids=["bytes", "decoded"])
-def backend(request: pytest.FixtureRequest, server: RedisServer) -> LockBackend:
-    return LockBackend(server.url_for(LOCK_DB), {"decode_responses": request.param})
+def backend(request: pytest.FixtureRequest, server: RedisServer) -> LockStore:
+    return LockStore(server.url_for(LOCK_DB), {"decode_responses": request.param})
 
 
 def test_acquire_returns_holder_and_remaining_ttl_on_contention(
-    backend: LockBackend, lock_client: redis.Redis
+    backend: LockStore, lock_client: redis.Redis
 ) -> None:
     assert backend.acquire("k", "v1|holder-id|0|h|1|n|t|0", 5000).acquired
     result = backend.acquire("k", "mine", 5000)
@@ -30,7 +32,7 @@ def test_acquire_returns_holder_and_remaining_ttl_on_contention(
 
 
 def test_acquire_is_idempotent_for_our_own_value(
-    backend: LockBackend, lock_client: redis.Redis
+    backend: LockStore, lock_client: redis.Redis
 ) -> None:
     """A client retry after a lost reply finds its own value: success, TTL refreshed."""
     assert backend.acquire("k", "mine", 1000).acquired
@@ -38,7 +40,7 @@ def test_acquire_is_idempotent_for_our_own_value(
     assert lock_client.pttl("k") > 50000
 
 
-def test_release_outcomes(backend: LockBackend, lock_client: redis.Redis) -> None:
+def test_release_outcomes(backend: LockStore, lock_client: redis.Redis) -> None:
     backend.acquire("k", "mine", 5000)
     assert backend.release("k", "someone-else") is ReleaseOutcome.NOT_OURS
     assert lock_client.get("k") == b"mine"
@@ -48,7 +50,7 @@ def test_release_outcomes(backend: LockBackend, lock_client: redis.Redis) -> Non
 
 
 def test_prefix_release_only_matches_the_owner_prefix(
-    backend: LockBackend, lock_client: redis.Redis
+    backend: LockStore, lock_client: redis.Redis
 ) -> None:
     backend.acquire("k", "v1|id|10|h|5|nonce|t|0", 5000)
     assert backend.release_owner("k", "v1|id|1|h|5|") is ReleaseOutcome.NOT_OURS
@@ -56,7 +58,7 @@ def test_prefix_release_only_matches_the_owner_prefix(
 
 
 def test_expiry_race_first_holder_cannot_delete_second_holders_lock(
-    backend: LockBackend, lock_client: redis.Redis
+    backend: LockStore, lock_client: redis.Redis
 ) -> None:
     assert backend.acquire("k", "first", 100).acquired
     wait_until(lambda: lock_client.exists("k") == 0, message="first lock to expire")
@@ -66,16 +68,14 @@ def test_expiry_race_first_holder_cannot_delete_second_holders_lock(
     assert lock_client.get("k") == b"second"
 
 
-def test_renew_never_recreates_an_expired_key(
-    backend: LockBackend, lock_client: redis.Redis
-) -> None:
+def test_renew_never_recreates_an_expired_key(backend: LockStore, lock_client: redis.Redis) -> None:
     backend.acquire("k", "mine", 50)
     wait_until(lambda: lock_client.exists("k") == 0)
     assert backend.renew_many([("k", "mine", 5000)]) == [RenewOutcome.GONE]
     assert lock_client.exists("k") == 0
 
 
-def test_scripts_survive_script_flush(backend: LockBackend, lock_client: redis.Redis) -> None:
+def test_scripts_survive_script_flush(backend: LockStore, lock_client: redis.Redis) -> None:
     backend.acquire("k", "mine", 5000)
     lock_client.script_flush()
     assert backend.renew_many([("k", "mine", 5000)]) == [RenewOutcome.RENEWED]
@@ -86,7 +86,7 @@ def test_scripts_survive_script_flush(backend: LockBackend, lock_client: redis.R
 
 
 def test_renew_many_in_one_pipeline_across_chunks(
-    backend: LockBackend, lock_client: redis.Redis
+    backend: LockStore, lock_client: redis.Redis
 ) -> None:
     count = RENEW_CHUNK_SIZE * 2 + 7
     items = [(f"k{i}", f"v{i}", 1000) for i in range(count)]
@@ -104,7 +104,7 @@ def test_renew_many_in_one_pipeline_across_chunks(
 
 def test_unreachable_redis_is_a_lock_backend_error(redis_server_factory) -> None:  # type: ignore[no-untyped-def]
     server = redis_server_factory()
-    backend = LockBackend(server.url, {"socket_timeout": 0.5, "socket_connect_timeout": 0.5})
+    backend = LockStore(server.url, {"socket_timeout": 0.5, "socket_connect_timeout": 0.5})
     server.kill()
     started = time.monotonic()
     with pytest.raises(
@@ -117,7 +117,7 @@ def test_unreachable_redis_is_a_lock_backend_error(redis_server_factory) -> None
 
 def test_wrong_password_is_a_clear_error(redis_server_factory) -> None:  # type: ignore[no-untyped-def]
     server = redis_server_factory("--requirepass", "s3cret")
-    backend = LockBackend(f"redis://:wrong@127.0.0.1:{server.port}/0")
+    backend = LockStore(f"redis://:wrong@127.0.0.1:{server.port}/0")
     with pytest.raises(LockBackendError, match=r"unavailable|refused") as info:
         backend.acquire("k", "v", 1000)
     assert "wrong" not in str(info.value)  # the password is not echoed
@@ -133,12 +133,12 @@ def test_redis_refusing_scripts_is_a_clear_error(redis_server_factory) -> None: 
         keys=["*"],
         commands=["+@all", "-eval", "-evalsha"],
     )
-    backend = LockBackend(f"redis://noscript:pw@127.0.0.1:{server.port}/0")
+    backend = LockStore(f"redis://noscript:pw@127.0.0.1:{server.port}/0")
     with pytest.raises(LockBackendError, match=r"refused to acquire lock 'k'.*must allow EVAL"):
         backend.acquire("k", "v", 1000)
 
 
-def test_wait_is_woken_by_the_release_not_by_the_ttl(backend: LockBackend) -> None:
+def test_wait_is_woken_by_the_release_not_by_the_ttl(backend: LockStore) -> None:
     import threading
 
     backend.acquire("k", "holder", 30000)
@@ -150,14 +150,14 @@ def test_wait_is_woken_by_the_release_not_by_the_ttl(backend: LockBackend) -> No
     assert backend.inspect("k")[0] == "waiter"
 
 
-def test_wait_times_out_while_the_holder_keeps_it(backend: LockBackend) -> None:
+def test_wait_times_out_while_the_holder_keeps_it(backend: LockStore) -> None:
     backend.acquire("k", "holder", 30000)
     result = backend.acquire_waiting("k", "waiter", 30000, timeout=0.3)
     assert not result.acquired and result.holder == "holder"
 
 
 def test_direct_path_reconnects_after_the_server_drops_the_connection(
-    backend: LockBackend, lock_client: redis.Redis
+    backend: LockStore, lock_client: redis.Redis
 ) -> None:
     """A pooled connection killed by the server is replaced by the client's retry."""
     assert backend.acquire("k", "v1", 5000).acquired
@@ -177,7 +177,7 @@ def test_lock_scripts_on_other_client_shapes(
     server: RedisServer, lock_client: redis.Redis, options: dict[str, object]
 ) -> None:
     """Clients the direct path does not serve go through evalsha; both give the same outcomes."""
-    backend = LockBackend(client=redis.Redis.from_url(server.url_for(LOCK_DB), **options))
+    backend = LockStore(client=redis.Redis.from_url(server.url_for(LOCK_DB), **options))
     value = "v1|t-é|0|hôte|1|n|tâche|0"
     taken = backend.acquire("clé", value, 5000)
     assert taken.acquired and taken.fence is not None and taken.fence > 0
@@ -188,7 +188,7 @@ def test_lock_scripts_on_other_client_shapes(
     assert lock_client.exists("clé".encode(encoding)) == 0
 
 
-def test_direct_path_rejects_values_redis_cannot_take(backend: LockBackend) -> None:
+def test_direct_path_rejects_values_redis_cannot_take(backend: LockStore) -> None:
     with pytest.raises(TypeError, match="cannot send float"):
         backend.acquire("k", "v1", 1.5)  # type: ignore[arg-type]
 
@@ -199,7 +199,7 @@ def test_a_fork_while_another_thread_builds_connections_does_not_deadlock_the_ch
     import os
     import threading
 
-    backend = LockBackend(server.url_for(LOCK_DB))
+    backend = LockStore(server.url_for(LOCK_DB))
     backend.acquire("before-fork", "v", 5000)
     holding, release = threading.Event(), threading.Event()
 
@@ -234,7 +234,7 @@ def test_a_wait_on_a_store_that_cannot_subscribe_gives_up_after_one_timeout(
     (retries + 1) x (connect + socket timeout) + retries x 0.2 s, not once
     per resubscription."""
     store: RedisServer = redis_server_factory()  # type: ignore[operator]
-    backend = LockBackend(
+    backend = LockStore(
         store.url_for(LOCK_DB), {"socket_timeout": 0.5, "socket_connect_timeout": 0.5}
     )
     store.pause()
@@ -249,7 +249,7 @@ def test_a_wait_on_a_store_that_cannot_subscribe_gives_up_after_one_timeout(
     assert took < bound, f"gave up after {took:.2f}s (bound {bound:.1f}s)"
 
 
-def test_take_backs_share_one_thread(backend: LockBackend) -> None:
+def test_take_backs_share_one_thread(backend: LockStore) -> None:
     """A burst of unanswered acquires queues take-backs, not threads."""
     import threading
 
@@ -263,3 +263,50 @@ def test_take_backs_share_one_thread(backend: LockBackend) -> None:
     backend.acquire("late", "late-value", 30000)  # an acquire that "lands late"
     takeback.take_back_value(backend, "late", "late-value")
     assert backend.acquire("late", "someone", 1000).acquired
+
+
+class CountingStore(LockStore):
+    """A store subclass using the override points, as a user would to instrument it."""
+
+    calls: list[str]
+
+    def do_acquire(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls.append("acquire")
+        return super().do_acquire(*args, **kwargs)
+
+    def do_release(self, *args: Any, **kwargs: Any) -> int:
+        self.calls.append("release")
+        return super().do_release(*args, **kwargs)
+
+    def do_extend(self, *args: Any, **kwargs: Any) -> int:
+        self.calls.append("extend")
+        return super().do_extend(*args, **kwargs)
+
+
+def test_a_store_subclass_serves_the_standalone_lock(
+    server: RedisServer, lock_client: redis.Redis
+) -> None:
+    store = CountingStore(client=lock_client)
+    store.calls = []
+    lock = RedisLock(lock_client, "hooked", ttl=5, store=store)
+    with lock:
+        assert lock_client.get("hooked") is not None
+        lock.extend()
+    assert lock_client.get("hooked") is None
+    assert store.calls == ["acquire", "extend", "release"]
+
+
+def test_a_store_class_setting_serves_the_tasks(app_factory: Any) -> None:
+    app = app_factory(
+        redislock_store_class="tests.integration.test_store:CountingStore", task_always_eager=True
+    )
+    store = app_settings(app).backend
+    assert isinstance(store, CountingStore)
+    store.calls = []
+
+    @app.task(base=SingletonTask, shared=False)
+    def job(n: int) -> int:
+        return n * 2
+
+    assert job.delay(21).get() == 42
+    assert store.calls == ["acquire", "release"]

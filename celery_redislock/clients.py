@@ -1,0 +1,159 @@
+"""Redis clients of the lock store: URL to client, the package's defaults, and client sources.
+
+A URL (``redis://``, ``rediss://``, ``unix://``, ``sentinel://``,
+``redis+cluster://``) becomes a redis-py client with bounded timeouts; a
+client (the standalone lock's) becomes a :class:`ClientSource`: what the
+transport needs of it to open its own connections, without a reference to it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import redis
+from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.cluster import RedisCluster
+from redis.retry import Retry
+from redis.sentinel import Sentinel
+
+from celery_redislock.exceptions import LockBackendError
+from celery_redislock.transport import connection_settings
+from celery_redislock.urls import has_credentials, mask_url
+
+__all__ = [
+    "DEFAULT_OPTIONS",
+    "DEFAULT_RETRIES",
+    "DEFAULT_RETRY_BACKOFF_CAP",
+    "ClientSource",
+    "build_client",
+    "client_source",
+    "default_retry",
+    "describe_client",
+]
+
+DEFAULT_OPTIONS: Mapping[str, Any] = {
+    # Bounded, so a hung Redis can never hang a task forever.
+    "socket_timeout": 5.0,
+    "socket_connect_timeout": 5.0,
+    "health_check_interval": 30,
+}
+
+#: The command retry policy when none is given: 2 quick retries.
+DEFAULT_RETRY_BACKOFF_CAP = 0.2
+DEFAULT_RETRIES = 2
+
+
+def default_retry() -> Retry:
+    """The command retry policy when none is given: 2 quick retries."""
+    return Retry(ExponentialBackoff(cap=DEFAULT_RETRY_BACKOFF_CAP, base=0.01), DEFAULT_RETRIES)
+
+
+def _sentinel_master(url: str, options: Mapping[str, Any]) -> redis.Redis:
+    """Build a client that follows the master of a Sentinel-monitored service.
+
+    ``sentinel://[[user]:password@]host:port[,host:port...]/service[/db]``.
+    The credentials are the data nodes' (as in ``redis://``); the sentinels'
+    own connection settings go in ``redislock_redis_options["sentinel_kwargs"]``.
+    Every (re)connect asks the sentinels for the current master, and a
+    connection still open to a demoted master is dropped on its first
+    ``READONLY`` reply, so the client follows a failover by itself.
+    """
+    parsed = urlsplit(url)
+    path = [part for part in parsed.path.split("/") if part]
+    if not path or len(path) > 2:
+        raise ValueError("expected sentinel://host:port[,host:port...]/service_name[/db]")
+    service, db = path[0], int(path[1]) if len(path) > 1 else 0
+    hosts = parsed.netloc.rpartition("@")[2]
+    sentinels = []
+    for address in hosts.split(","):
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"sentinel address {address!r} is not host:port")
+        sentinels.append((host, int(port)))
+    options = dict(options)
+    sentinel_kwargs = options.pop("sentinel_kwargs", None)
+    if sentinel_kwargs is None:
+        # The sentinels' clients would otherwise retry with redis-py's own
+        # backoff inside every one of our attempts (measured: 23 s to give up
+        # on two unreachable sentinels). Same timeouts as the data nodes, no
+        # retry of their own: ours is the only retry loop.
+        sentinel_kwargs = {
+            name: options[name]
+            for name in ("socket_timeout", "socket_connect_timeout")
+            if name in options
+        }
+        sentinel_kwargs["retry"] = Retry(NoBackoff(), 0)
+    if parsed.username:
+        options["username"] = unquote(parsed.username)
+    if parsed.password:
+        options["password"] = unquote(parsed.password)
+    sentinel = Sentinel(sentinels, sentinel_kwargs=sentinel_kwargs, **options)  # type: ignore[no-untyped-call]
+    master: redis.Redis = sentinel.master_for(service, db=db)  # type: ignore[no-untyped-call]
+    return master
+
+
+def build_client(url: str, options: Mapping[str, Any]) -> redis.Redis | RedisCluster:
+    """Build the redis-py client a lock store URL names.
+
+    Raises:
+        LockBackendError: the URL is not valid (the message never quotes a password).
+    """
+    try:
+        if url.startswith("sentinel://"):
+            return _sentinel_master(url, options)
+        if url.startswith(("redis+cluster://", "rediss+cluster://")):
+            scheme, rest = url.split("://", 1)
+            base = scheme.split("+")[0]
+            return RedisCluster.from_url(f"{base}://{rest}", **options)
+        return redis.Redis.from_url(url, **options)
+    except (ValueError, TypeError) as exc:
+        if has_credentials(url):
+            # redis-py's message may quote a piece of a password it misparsed.
+            detail = (
+                f"it is not a valid Redis URL ({type(exc).__name__}); check the host, port "
+                "and database number, and percent-encode / ? # and @ in the password"
+            )
+        else:
+            detail = str(exc)
+        error = LockBackendError(f"cannot use redislock_url {mask_url(url)!r}: {detail}")
+        # Not chained when credentials are present: the cause quotes the URL.
+        raise error from (None if has_credentials(url) else exc)
+
+
+@dataclass(frozen=True)
+class ClientSource:
+    """What the transport needs of a redis-py client, without a reference to it.
+
+    For one server: the pool's connection class and settings (copied); for
+    a cluster: redis-py's slot map. Holding neither the client nor its pool
+    is what lets a dropped client be freed at once, with its connections.
+    """
+
+    connection_class: type | None
+    connection_kwargs: Mapping[str, Any]
+    nodes_manager: Any
+    retry: Retry | None
+
+
+def client_source(client: redis.Redis | RedisCluster) -> Callable[[], ClientSource]:
+    """What the transport needs of ``client``, captured now (no reference kept)."""
+    if isinstance(client, RedisCluster):
+        source = ClientSource(None, {}, client.nodes_manager, getattr(client, "retry", None))
+    else:
+        pool = client.connection_pool
+        kwargs = connection_settings(pool.connection_kwargs)
+        source = ClientSource(pool.connection_class, kwargs, None, kwargs.get("retry"))
+    return lambda: source
+
+
+def describe_client(client: redis.Redis | RedisCluster) -> str:
+    """The address of ``client``'s server, for messages (no credentials)."""
+    if isinstance(client, RedisCluster):
+        return "Redis Cluster client"
+    kwargs = client.connection_pool.connection_kwargs
+    if "path" in kwargs:
+        return f"unix://{kwargs['path']}"
+    return f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}"

@@ -1,0 +1,124 @@
+"""Enqueue-time dedup (``lock_enqueue``): take the key in ``apply_async``, before publishing.
+
+Runs in the producer. The key is computed from the arguments as the worker
+will receive them (a serializer round trip), and stores a *queued* value
+naming the task id; the worker's acquire takes that value over. A duplicate
+is not published: the caller gets the holder's ``AsyncResult`` or
+:class:`~celery_redislock.exceptions.AlreadyQueued`. A task is never lost:
+when the lock store fails, the task is published without its enqueue lock.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from celery.utils import uuid
+
+from celery_redislock import signals
+from celery_redislock.exceptions import AlreadyQueued, LockBackendError
+from celery_redislock.headers import QUEUED_TOKEN_HEADER, UNSETTLED_HEADER, seconds_until
+from celery_redislock.store import AcquireResult
+from celery_redislock.takeback import take_back_value
+from celery_redislock.tokens import LockValue
+
+if TYPE_CHECKING:
+    from celery_redislock.settings import TaskSettings
+    from celery_redislock.task import SingletonTaskMixin
+
+__all__ = ["publish_once"]
+
+# The documented logger name: enqueue-time dedup was part of task.py.
+logger = logging.getLogger("celery_redislock.task")
+
+# Canvas members and tasks carrying callbacks are always published: dropping
+# one would break a chord's counter or lose the rest of a workflow.
+_BYPASS_OPTIONS = ("chord", "group_id", "chain", "link", "link_error")
+
+Publish = Callable[..., Any]
+
+
+def publish_once(
+    task: SingletonTaskMixin,
+    publish: Publish,
+    args: Sequence[Any] | None,
+    kwargs: dict[str, Any] | None,
+    options: dict[str, Any],
+) -> Any:
+    """Publish ``task`` with ``publish`` (Celery's ``apply_async``), with ``lock_enqueue`` once.
+
+    With ``lock_enqueue`` on, it publishes only if the key is free.
+
+    Re-sends of an existing task id (``self.retry()``, a lock retry,
+    Celery's ``retry_on_worker_lost``: they carry ``retries``), canvas
+    members and tasks carrying callbacks are always published; their run is
+    still protected by the worker-side lock.
+    """
+    settings = task._lock_settings()
+    if (
+        not (settings.enabled and settings.enqueue)
+        or task.app.conf.task_always_eager
+        or options.get("retries") is not None
+        or any(options.get(name) for name in _BYPASS_OPTIONS)
+    ):
+        return publish(None if args is None else tuple(args), kwargs, **options)
+    args, kwargs = tuple(args or ()), dict(kwargs or {})
+    received = task._as_received(args, kwargs, options.get("serializer") or task.serializer)
+    key = task._key(settings, *received)
+    task_id = options.pop("task_id", None) or uuid()
+    token = LockValue.queued(task_id, task.name).encode()
+    ttl = settings.enqueue_ttl + seconds_until(options.get("eta") or options.get("countdown"))
+    headers = {**(options.pop("headers", None) or {}), QUEUED_TOKEN_HEADER: token}
+    try:
+        result = settings.backend.acquire(key, token, max(int(ttl * 1000), 1))
+    except LockBackendError as exc:
+        # Never drop the task: publish it. The acquire may have run after
+        # all (a late reply), so the message lists its token as one to
+        # take over instead of contending with. And since the token may
+        # equally land after the task has run, it is taken back in the
+        # background. The message's own queued token is a fresh one: a
+        # retry's hand-off keeps *that*, which the take-back can never
+        # mistake for the late one.
+        logger.warning("publishing %s[%s] without its enqueue lock: %s", task.name, task_id, exc)
+        headers[QUEUED_TOKEN_HEADER] = LockValue.queued(task_id, task.name).encode()
+        headers[UNSETTLED_HEADER] = [token]
+        try:
+            return publish(args, kwargs, task_id=task_id, headers=headers, **options)
+        finally:
+            take_back_value(settings.backend, key, token, now=False)  # the store just failed
+    except BaseException:
+        # Interrupted: the key may hold a token for a task never published.
+        take_back_value(settings.backend, key, token)
+        raise
+    if not result.acquired:
+        return _duplicate(task, settings, key, task_id, result)
+    try:
+        return publish(args, kwargs, task_id=task_id, headers=headers, **options)
+    except BaseException:
+        take_back_value(settings.backend, key, token)  # nothing was queued: free the key
+        raise
+
+
+def _duplicate(
+    task: SingletonTaskMixin,
+    settings: TaskSettings,
+    key: str,
+    task_id: str,
+    result: AcquireResult,
+) -> Any:
+    """Not published: the holder's result, or :class:`AlreadyQueued`."""
+    holder = result.holder_task_id
+    logger.info("%s[%s] not published: %s already holds lock %s", task.name, task_id, holder, key)
+    signals.lock_contended.send(
+        sender=task,
+        key=key,
+        task_name=task.name,
+        task_id=task_id,
+        holder_task_id=holder,
+        ttl_remaining=result.ttl_remaining,
+        policy="deduplicated",
+    )
+    if settings.enqueue_raise or holder is None:
+        raise AlreadyQueued(key, holder, result.ttl_remaining)
+    return task.AsyncResult(holder)

@@ -1,0 +1,472 @@
+"""One locked execution in the worker: take the lock, apply the policy, give it back.
+
+:class:`Execution` is created by ``SingletonTaskMixin.__call__`` for every
+run. :meth:`Execution.take_lock` acquires (one round trip), and when the key
+is held applies the contention policy; :meth:`Execution.give_back` runs in
+the ``finally`` and gives back exactly what was taken. A lock-store error
+re-sends the task with backoff (:func:`on_backend_error`), carrying the
+value whose reply was lost so the re-send can take it over.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, NoReturn, cast
+
+from celery.exceptions import Ignore, Reject
+from celery.exceptions import Retry as CeleryRetry
+
+from celery_redislock import signals
+from celery_redislock._clock import clock
+from celery_redislock.abort import interrupter_for_current_thread
+from celery_redislock.exceptions import LockBackendError, LockKeyError
+from celery_redislock.headers import (
+    BACKEND_RETRIES_HEADER,
+    LOCK_RETRIES_HEADER,
+    MAX_UNSETTLED,
+    REDELIVERED_HEADER,
+    UNSETTLED_HEADER,
+    own_values,
+    queued_token,
+    redelivered,
+    seconds_until,
+)
+from celery_redislock.lease import LockHandle
+from celery_redislock.policies import (
+    LOCK_ACQUIRED,
+    Contention,
+    RetryInsteadOfSkip,
+    RetryWhileOwnDeliveryHolds,
+    backend_error_countdown,
+)
+from celery_redislock.store import AcquireResult
+from celery_redislock.takeback import take_back_value
+from celery_redislock.tokens import LockOwner, LockValue
+
+if TYPE_CHECKING:
+    from celery_redislock.settings import TaskSettings
+    from celery_redislock.task import SingletonTaskMixin
+
+__all__ = [
+    "CONTENTION_EVENT",
+    "Decision",
+    "Execution",
+    "on_backend_error",
+    "resend",
+    "send_contention_event",
+]
+
+# The documented logger name: this was part of task.py.
+logger = logging.getLogger("celery_redislock.task")
+
+#: Task event sent on contention when task events are on (Flower shows it).
+CONTENTION_EVENT = "task-redislock-contended"
+
+#: Longest wait for the lock still held by this task's own previous attempt.
+_OWN_RETRY_WAIT = 10.0
+
+
+class Decision:
+    """A value a policy returned instead of running the body."""
+
+    __slots__ = ("result",)
+
+    def __init__(self, result: Any) -> None:
+        self.result = result
+
+
+class Execution:
+    """One run of a locked task in the worker: what it took, and what it gives back.
+
+    :meth:`give_back` runs in the ``finally`` of ``__call__`` and gives back the
+    lock if it was granted (deleting it, handing it to a queued retry, or
+    keeping it as an idempotency window), or, if an acquire was interrupted
+    before its reply was read, deletes the value that acquire may have
+    stored (a compare-and-delete: a no-op if it did not).
+    """
+
+    def __init__(
+        self,
+        task: SingletonTaskMixin,
+        settings: TaskSettings,
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+    ) -> None:
+        self.task = task
+        self.settings = settings
+        self.request = request = task.request
+        if request.is_eager:
+            # apply() passes the caller's objects; a worker gets them decoded.
+            # Eager mode never serializes, so arguments the serializer refuses
+            # (a set under JSON) are keyed as they are rather than refused.
+            with contextlib.suppress(LockKeyError):
+                args, kwargs = task._as_received(args, kwargs, task.serializer)
+        self.key = task._key(settings, args, kwargs)
+        owner = LockOwner.current(request.id, request.retries or 0, request.hostname)
+        self.value = LockValue.new(owner, task.name).encode()
+        headers = request.headers or {}
+        self.queued_token = queued_token(request)
+        self.adopt = [
+            *([self.queued_token] if self.queued_token else []),
+            *own_values(request, headers.get(UNSETTLED_HEADER)),
+        ]
+        self.handle: LockHandle | None = None
+        #: An acquire was sent and its reply not (yet) read.
+        self.unsettled = False
+        self.keep: tuple[str, float] | None = None
+
+    # -- taking the lock --
+
+    def _acquire(self, wait: float | None = None) -> AcquireResult:
+        settings, backend = self.settings, self.settings.backend
+        self.unsettled = True
+        if wait is None:
+            result = backend.acquire(
+                self.key,
+                self.value,
+                settings.ttl_ms,
+                self.adopt,
+                settings.min_replicas,
+                settings.min_replicas_timeout,
+            )
+        else:
+            result = backend.acquire_waiting(
+                self.key,
+                self.value,
+                settings.ttl_ms,
+                wait,
+                self.adopt,
+                settings.min_replicas,
+                settings.min_replicas_timeout,
+            )
+        self.unsettled = result.acquired  # granted: the handle owns it from here
+        return result
+
+    def take_lock(self) -> Decision | None:
+        """Take the lock; None means "run the body", else the policy's result."""
+        task, request, settings = self.task, self.request, self.settings
+        started = clock()
+        try:
+            result = self._acquire()
+        except LockBackendError as exc:
+            self._on_backend_error(exc)
+            return None  # lock_on_backend_error="run": run unprotected
+        if result.acquired:
+            self._grant(result, started)
+            return None
+        holder = result.holder_value
+        if (
+            holder is not None
+            and holder.owner.task_id == request.id
+            and holder.is_queued
+            and result.holder is not None
+            and result.holder not in self.adopt
+        ):
+            # This task's own queued value, from a message that lost its
+            # header (a re-send): no process runs it, so take it over.
+            self.adopt.append(result.holder)
+            result = self._acquire()
+            if result.acquired:
+                self._grant(result, started)
+                return None
+            holder = result.holder_value
+        if holder is not None and holder.owner.task_id == request.id and holder.is_kept:
+            # A second delivery of a message whose own run succeeded
+            # (acks_late and a crash before the ack, a visibility timeout):
+            # its result is already stored. Drop the copy.
+            self._contended(result, "already_succeeded")
+            logger.info(
+                "%s[%s] delivered again after it succeeded; dropped (lock %s kept its window)",
+                task.name,
+                request.id,
+                self.key,
+            )
+            raise Ignore()
+        granted: list[AcquireResult] = []
+
+        def wait_for_lock(timeout: float) -> bool:
+            waited = self._acquire(wait=timeout)
+            if waited.acquired:
+                granted.append(waited)
+            return waited.acquired
+
+        try:
+            previous_attempt_released = (
+                holder is not None
+                and holder.owner.task_id == request.id
+                and holder.owner.attempt < (request.retries or 0)
+                and wait_for_lock(min(result.ttl_remaining or _OWN_RETRY_WAIT, _OWN_RETRY_WAIT))
+            )
+        except LockBackendError as exc:
+            self._on_backend_error(exc)
+            return None  # lock_on_backend_error="run": run unprotected
+        if previous_attempt_released:
+            # Our own previous attempt raised Retry and published this
+            # message just before its ``finally`` released the lock: the
+            # release is a moment away, so wait for it instead of retrying.
+            self._grant(granted[-1], started)
+            return None
+
+        headers = dict(request.headers or {})
+        lock_retries = int(headers.get(LOCK_RETRIES_HEADER) or 0)
+        contention = Contention(
+            key=self.key,
+            task_name=task.name,
+            task_id=request.id,
+            holder_task_id=result.holder_task_id,
+            ttl_remaining=result.ttl_remaining,
+            redelivered=redelivered(request),
+            lock_retries=lock_retries,
+            wait_for_lock=wait_for_lock,
+            retry_later=lambda countdown, exc: resend(
+                task, countdown, exc, {LOCK_RETRIES_HEADER: lock_retries + 1}
+            ),
+        )
+        from_beat = bool(
+            headers.get("celery_beat_task") or getattr(request, "celery_beat_task", None)
+        )
+        policy = settings.beat_policy if from_beat else settings.policy
+        if contention.holder_task_id == request.id:
+            policy = RetryWhileOwnDeliveryHolds(policy)
+        elif contention.redelivered:
+            policy = RetryInsteadOfSkip(policy)
+        logger.info(
+            "%s[%s] not running: lock %s is held by %s (expires in %s s); policy %s",
+            task.name,
+            request.id,
+            self.key,
+            contention.holder_task_id or "an unknown holder",
+            "?" if result.ttl_remaining is None else f"{result.ttl_remaining:.3f}",
+            policy.name,
+        )
+        self._contended(result, policy.name)
+        try:
+            decision = policy.handle(contention)
+        except LockBackendError as exc:  # the store failed while a policy waited
+            self._on_backend_error(exc)
+            return None  # lock_on_backend_error="run": run unprotected
+        if decision is LOCK_ACQUIRED:
+            self._grant(granted[-1], started)
+            return None
+        return Decision(decision)
+
+    def _on_backend_error(self, exc: LockBackendError) -> None:
+        """The store failed: re-send with backoff (taking this value over), or run unprotected.
+
+        Returns (None: run the body) only with ``lock_on_backend_error="run"``.
+        """
+        self.unsettled = False
+        # The acquire may land after all: after this execution ran without
+        # its lock ("run"), or after the re-send ("fail") ran and released.
+        # The re-send also carries the value, to take it over if it is there.
+        take_back_value(self.settings.backend, self.key, self.value, now=False)
+        on_backend_error(self.task, self.settings, self.key, exc, self.value)
+
+    def _contended(self, result: AcquireResult, policy: str) -> None:
+        task = self.task
+        signals.lock_contended.send(
+            sender=task,
+            key=self.key,
+            task_name=task.name,
+            task_id=self.request.id,
+            holder_task_id=result.holder_task_id,
+            ttl_remaining=result.ttl_remaining,
+            policy=policy,
+        )
+        send_contention_event(task, self.key, result.holder_task_id, policy)
+
+    def _grant(self, result: AcquireResult, started: float) -> None:
+        task, settings = self.task, self.settings
+        handle = LockHandle(
+            settings.backend,
+            self.key,
+            self.value,
+            settings.ttl,
+            result.sent_at,
+            task_name=task.name,
+            task_id=self.request.id,
+            sender=task,
+            renew=False,
+            fence=result.fence,
+        )
+        self.handle = handle
+        self.unsettled = False
+        handle.on_lost(task.on_lock_lost)
+        if settings.on_lost == "abort":
+            interrupt = interrupter_for_current_thread()
+            if interrupt is not None:
+                handle.on_lost(interrupt)
+        handle.start_renewal()
+        signals.lock_acquired.send(
+            sender=task,
+            key=self.key,
+            task_name=task.name,
+            task_id=self.request.id,
+            waited=clock() - started,
+            fence=result.fence,
+        )
+
+    # -- how it ends --
+
+    def succeeded(self) -> None:
+        """The body returned: keep an idempotency window if configured."""
+        hold = self.settings.hold_after_success
+        if hold and self.handle is not None:
+            request = self.request
+            kept = LockValue.kept(request.id or "", request.retries or 0, self.task.name)
+            self.keep = (kept.encode(), hold)
+
+    def retrying(self, retry: CeleryRetry) -> None:
+        """The body raised Retry: hand the key to the queued retry (``lock_enqueue``).
+
+        Only if the retried message will lock the same key: ``self.retry(args=...)``
+        may change the arguments, and then the old key is simply released.
+        """
+        sig = getattr(retry, "sig", None)  # set by Task.retry(); absent on a bare Retry
+        if not (self.settings.enqueue and self.queued_token) or sig is None:
+            return
+        task = self.task
+        try:
+            received = task._as_received(sig.args or (), dict(sig.kwargs or {}), task.serializer)
+            same_key = task._key(self.settings, *received) == self.key
+        except LockKeyError:
+            same_key = False
+        if same_key:
+            # The retried message carries the same token and takes it over.
+            self.keep = (
+                self.queued_token,
+                self.settings.enqueue_ttl + seconds_until(retry.when),
+            )
+
+    def give_back(self) -> None:
+        """Give back what this execution took; safe to call again if interrupted."""
+        held = self.task._redislock_held
+        if held.top is self:
+            held.pop()
+        if self.handle is not None:
+            if self.keep is not None:
+                self.handle.release(*self.keep)
+            else:
+                self.handle.release()
+        elif self.unsettled:
+            # Interrupted between sending an acquire and reading its reply.
+            take_back_value(self.settings.backend, self.key, self.value)
+            self.unsettled = False
+
+
+def send_contention_event(
+    task: SingletonTaskMixin, key: str, holder: str | None, policy: str
+) -> None:
+    """Tell monitors (Flower) why this task did not run yet.
+
+    Sent only when the app sends task events (``worker_send_task_events``;
+    the worker's ``-E`` flag alone does not reach pool children). A
+    failure to send is logged, never raised into the task.
+    """
+    if not task.app.conf.worker_send_task_events:
+        return
+    try:
+        task.send_event(
+            CONTENTION_EVENT,
+            retry=False,
+            redislock_key=key,
+            redislock_holder=holder,
+            redislock_policy=policy,
+        )
+    except Exception:
+        logger.warning("could not send the %s event", CONTENTION_EVENT, exc_info=True)
+
+
+def on_backend_error(
+    task: SingletonTaskMixin,
+    settings: TaskSettings,
+    key: str,
+    exc: LockBackendError,
+    unsettled: str,
+) -> None:
+    """Run unprotected (``"run"``) or re-send with backoff (``"fail"``).
+
+    ``unsettled`` is the value of the acquire that failed: its script may
+    still have run (a reply after the timeout), so the re-sent message
+    carries it and the retry takes it over.
+    """
+    request = task.request
+    if settings.on_backend_error == "run":
+        logger.warning(
+            "%s[%s] runs WITHOUT its lock %s (lock_on_backend_error='run'): %s",
+            task.name,
+            request.id,
+            key,
+            exc,
+        )
+        return
+    headers = request.headers or {}
+    attempts = int(headers.get(BACKEND_RETRIES_HEADER) or 0)
+    limit = settings.app.backend_error_max_retries
+    if attempts >= limit:
+        logger.error(
+            "%s[%s] gives up after %d retries: lock store unreachable: %s",
+            task.name,
+            request.id,
+            attempts,
+            exc,
+        )
+        raise exc
+    countdown = backend_error_countdown(attempts)
+    if request.is_eager:
+        logger.warning(
+            "%s[%s] retries at once (eager mode runs a retry immediately; "
+            "lock store error %d of %d): %s",
+            task.name,
+            request.id,
+            attempts + 1,
+            limit,
+            exc,
+        )
+    else:
+        logger.warning(
+            "%s[%s] will retry in %.1fs (lock store error %d of %d): %s",
+            task.name,
+            request.id,
+            countdown,
+            attempts + 1,
+            limit,
+            exc,
+        )
+    values = [*own_values(request, headers.get(UNSETTLED_HEADER)), unsettled]
+    resend(
+        task,
+        countdown,
+        exc,
+        {BACKEND_RETRIES_HEADER: attempts + 1, UNSETTLED_HEADER: values[-MAX_UNSETTLED:]},
+    )
+
+
+def resend(
+    task: SingletonTaskMixin, countdown: float, exc: Exception, headers: dict[str, Any]
+) -> NoReturn:
+    """Re-send this execution to run in ``countdown`` seconds, then raise Retry.
+
+    Unlike ``self.retry()``, ``retries`` is not incremented: a lock retry
+    must not spend the task's own ``max_retries``. The counters travel in
+    message headers instead. The re-send carries ``retries``, so
+    ``apply_async`` publishes it even while the key is held.
+    """
+    request = task.request
+    headers = {**(request.headers or {}), **headers}
+    headers.pop("redelivered", None)  # set by kombu's Redis transport; not ours to copy
+    if redelivered(request):
+        headers[REDELIVERED_HEADER] = True
+    signature = task.signature_from_request(
+        request, countdown=countdown, retries=request.retries or 0, headers=headers
+    )
+    if request.is_eager:
+        # Eager apply() re-runs a Retry's signature at once (no countdown).
+        raise CeleryRetry(exc=exc, when=cast(Any, countdown), is_eager=True, sig=signature)
+    try:
+        signature.apply_async()
+    except Exception as publish_error:
+        raise Reject(publish_error, requeue=False) from publish_error
+    raise CeleryRetry(exc=exc, when=cast(Any, countdown), sig=signature)

@@ -1,0 +1,334 @@
+"""Everything that runs in the worker's parent process: the pool child's lock backstop.
+
+When a pool child dies holding a lock (SIGKILL, OOM, a hard time limit,
+revoke with ``terminate``), :class:`SingletonRequest` releases it by owner
+prefix (task id, attempt, node, pid: see ``tokens.py``), which can never
+match a later attempt, and only once the child has exited. A task revoked
+or expired before it started frees its enqueue-time key
+(:func:`release_revoked_queued_lock`). A whole worker killed at once is
+covered by the TTL, which renewal keeps alive only while the holder lives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal as signals_module
+import time
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from billiard.exceptions import Terminated, TimeLimitExceeded, WorkerLostError
+from celery.signals import task_revoked
+from celery.worker.request import Request
+
+from celery_redislock._clock import clock
+from celery_redislock.headers import QUEUED_TOKEN_HEADER, queued_token
+from celery_redislock.settings import TaskSettings
+from celery_redislock.store import ReleaseOutcome
+from celery_redislock.task import SingletonTaskMixin
+from celery_redislock.tokens import LockOwner
+
+__all__ = [
+    "SingletonRequest",
+    "release_queued_lock",
+    "release_revoked_queued_lock",
+]
+
+# The documented logger name: the parent side was part of task.py.
+logger = logging.getLogger("celery_redislock.task")
+
+#: Longest wait for a SIGKILLed pool child to exit before its lock is released.
+_KILLED_EXIT_WAIT = 5.0
+#: Signals a billiard child turns into SystemExit (its ``finally`` releases the
+#: lock), and the longest wait for that release. SIGINT is ignored by children.
+_STOPPING_SIGNALS = (signals_module.SIGTERM, signals_module.SIGQUIT, signals_module.SIGHUP)
+_STOPPING_RELEASE_WAIT = 1.0
+#: billiard's grace between SIGTERM and SIGKILL at a hard time limit.
+_HARD_LIMIT_GRACE = 0.1
+
+
+class SingletonRequest(Request):
+    """Worker request that releases a pool child's lock from the parent, once the child exited.
+
+    billiard calls the failure handler of a hard time limit *before* it
+    kills the child, and Celery stores REVOKED right after sending
+    ``terminate``'s signal: a release at those moments would let a
+    duplicate start while the child still runs. So the parent ends the
+    child (as billiard is about to) or waits for it to exit, and releases
+    only then, before Celery stores the outcome: ``result.get()`` returning
+    means the lock is free.
+    """
+
+    def on_timeout(self, soft: bool, timeout: float) -> None:
+        """A hard time limit: end the child, then release its lock."""
+        if not soft:
+            self._release_after_exit("hard time limit", kill=True)
+        super().on_timeout(soft, timeout)
+
+    def on_failure(
+        self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False
+    ) -> None:
+        """The child died (WorkerLostError, terminated) or hit its hard time limit."""
+        exc = getattr(exc_info, "exception", None)
+        exc = getattr(exc, "exc", exc)  # unwrap billiard's ExceptionWithTraceback
+        if isinstance(exc, TimeLimitExceeded):
+            self._release_after_exit("hard time limit", kill=True)
+        elif isinstance(exc, (WorkerLostError, Terminated)):
+            self._release_child_lock(type(exc).__name__, self._will_be_resent(exc))
+        super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
+
+    #: Set when a terminated child has not released its lock in time: Celery's
+    #: REVOKED is then announced when the child has exited (``Terminated``).
+    _redislock_defer_revoked = False
+
+    def terminate(self, pool: Any, signal: Any = None) -> None:
+        """``revoke(terminate=True)``: REVOKED only once the child's lock is released."""
+        super().terminate(self._releasing(pool), signal)
+
+    def _announce_revoked(self, reason: Any, terminated: Any, signum: Any, expired: Any) -> None:
+        # Celery announces REVOKED right after sending terminate's signal, and
+        # again (unless already announced) when billiard reports the child
+        # ``Terminated``, which it does once the child has exited. While the
+        # child still holds its lock, the first announcement is held back.
+        if self._redislock_defer_revoked:
+            self._redislock_defer_revoked = False
+            return
+        super()._announce_revoked(reason, terminated, signum, expired)  # type: ignore[misc]
+
+    def cancel(self, pool: Any, signal: Any = None, emit_retry: bool = True) -> None:
+        """Cold shutdown: release once the signalled child has exited."""
+        super().cancel(self._releasing(pool), signal, emit_retry=emit_retry)
+
+    def _releasing(self, pool: Any) -> Any:
+        if self.time_start and _is_running_child(self.worker_pid):
+            return _ReleaseAfterExit(pool, self)
+        return pool
+
+    def _will_be_resent(self, exc: BaseException) -> bool:
+        """Whether Celery puts this message back (so its key should wait for it).
+
+        Mirrors ``celery.worker.request.Request.on_failure``: a lost worker is
+        re-sent with ``retry_on_worker_lost`` while retries remain, or
+        requeued with ``acks_late`` and ``reject_on_worker_lost``.
+        """
+        if not isinstance(exc, WorkerLostError):
+            return False
+        task = self.task
+        if getattr(task, "retry_on_worker_lost", False):
+            retries = int(self.request_dict.get("retries") or 0)
+            max_retries = task.max_retries
+            return max_retries is None or retries < max_retries
+        return bool(task.acks_late and task.reject_on_worker_lost)
+
+    def _release_after_exit(self, reason: str, kill: bool) -> None:
+        pid = self.worker_pid
+        if isinstance(pid, int) and _is_running_child(pid):
+            if kill:
+                # What billiard does right after this handler: SIGTERM, a
+                # 0.1 s grace for the child's own finally, then SIGKILL.
+                _signal(pid, signals_module.SIGTERM)
+                if not _exited(pid, _HARD_LIMIT_GRACE):
+                    _signal(pid, signals_module.SIGKILL)
+            if not _exited(pid, _KILLED_EXIT_WAIT):
+                logger.error(
+                    "%s[%s]: pool process %s is still running after %s; its lock %s",
+                    self.name,
+                    self.id,
+                    pid,
+                    reason,
+                    "is left to its own release or its TTL",
+                )
+                return
+        self._release_child_lock(reason)
+
+    def _child_lock(self) -> _ChildLock | None:
+        """The lock this request's execution took in its pool child (None: it takes none).
+
+        Its owner (task id, attempt, node, pid) is that of exactly this
+        attempt in exactly that process; the key is computed from the
+        message's arguments, as the child received them.
+        """
+        task = self.task
+        if not isinstance(task, SingletonTaskMixin):
+            return None
+        settings = task._lock_settings()
+        if not settings.enabled:
+            return None
+        owner = LockOwner(
+            self.id,
+            int(self.request_dict.get("retries") or 0),
+            self.hostname,
+            int(self.worker_pid) if self.worker_pid else None,
+        )
+        return _ChildLock(task, settings, task._key(settings, self.args, self.kwargs), owner)
+
+    def _wait_for_child_release(self, timeout: float) -> bool:
+        """Wait for the signalled child's own ``finally`` to release its lock.
+
+        Not for its exit: a billiard child exits only once this (the parent's)
+        event loop runs again (measured: its key was free after 23 ms, its
+        exit came when a 1 s wait for it ended). Woken by the release
+        notification, not by polling.
+        """
+        try:
+            lock = self._child_lock()
+            released = lock is None or lock.settings.backend.wait_released(
+                lock.key, lock.owner.prefix(), timeout
+            )
+        except Exception:
+            logger.exception("could not watch the lock of %s[%s]", self.name, self.id)
+            return False
+        if not released:
+            logger.warning(
+                "%s[%s]: pool process %s still holds its lock %.1fs after the signal; "
+                "REVOKED is stored once the process has exited",
+                self.name,
+                self.id,
+                self.worker_pid,
+                timeout,
+            )
+        return released
+
+    def _release_child_lock(self, reason: str, requeued: bool = False) -> None:
+        """Release the lock of this execution, whose process has ended.
+
+        Matches on the owner prefix, so it releases only the lock taken by
+        exactly this attempt in exactly that process. When the message goes
+        back to the queue (``retry_on_worker_lost``, or ``acks_late`` with
+        ``reject_on_worker_lost``) and carries a queued token, the key is
+        handed to that token instead, for the redelivered message.
+        """
+        try:
+            lock = self._child_lock()
+            if lock is None:
+                return
+            settings, store, prefix = lock.settings, lock.settings.backend, lock.owner.prefix()
+            headers = self.request_dict.get("headers") or {}
+            token = headers.get(QUEUED_TOKEN_HEADER) or self.request_dict.get(QUEUED_TOKEN_HEADER)
+            if requeued and token and settings.enqueue:
+                ttl = settings.enqueue_ttl + float(lock.task.default_retry_delay or 0)
+                store.release_owner(lock.key, prefix, token, int(ttl * 1000))
+                return
+            if store.release_owner(lock.key, prefix) is ReleaseOutcome.RELEASED:
+                logger.warning(
+                    "released lock %s of %s[%s] attempt %d after its process %s ended "
+                    "abnormally (%s)",
+                    lock.key,
+                    self.name,
+                    self.id,
+                    lock.owner.attempt,
+                    lock.owner.pid,
+                    reason,
+                )
+        except Exception:
+            logger.exception(
+                "could not release the lock of %s[%s] (%s)", self.name, self.id, reason
+            )
+
+
+class _ChildLock(NamedTuple):
+    task: SingletonTaskMixin
+    settings: TaskSettings
+    key: str
+    owner: LockOwner
+
+
+class _ReleaseAfterExit:
+    """A pool whose ``terminate_job`` returns once the child's lock is released, or defers.
+
+    After SIGKILL: once the child has exited, the parent releases it. After
+    a signal the child turns into ``SystemExit``: its own ``finally``
+    releases, and the parent waits for that (bounded). If the bound passes
+    first, Celery's REVOKED waits for the child's exit.
+    """
+
+    def __init__(self, pool: Any, request: SingletonRequest) -> None:
+        self._pool = pool
+        self._request = request
+
+    def terminate_job(self, pid: int, signal: Any = None) -> None:
+        self._pool.terminate_job(pid, signal)
+        request = self._request
+        signum = signals_module.Signals(signal or signals_module.SIGTERM)
+        if signum is signals_module.SIGKILL:
+            released = _exited(pid, _KILLED_EXIT_WAIT)
+            if released:
+                request._release_child_lock("terminated")
+        elif signum in _STOPPING_SIGNALS:
+            released = request._wait_for_child_release(_STOPPING_RELEASE_WAIT)
+        else:
+            return  # a signal the child survives (SIGUSR1: a soft time limit)
+        # Not yet: announce REVOKED when billiard reports the exit (Terminated).
+        request._redislock_defer_revoked = not released
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pool, name)
+
+
+def _is_running_child(pid: Any) -> bool:
+    """True if ``pid`` is a child process of this one that has not exited.
+
+    False for the threads, solo and gevent pools, whose "pid" is this
+    process (or a greenlet's id).
+    """
+    if not isinstance(pid, int) or pid <= 0 or pid == os.getpid():
+        return False
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+    except (ChildProcessError, OverflowError, OSError):
+        return False
+
+
+def _exited(pid: int, timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for child ``pid`` to exit (left for billiard to reap)."""
+    deadline = clock() + timeout
+    while True:
+        try:
+            if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                return True
+        except ChildProcessError:
+            return True  # already reaped by billiard
+        if clock() >= deadline:
+            return False
+        time.sleep(0.001)
+
+
+def _signal(pid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signum)
+
+
+def release_queued_lock(
+    task: SingletonTaskMixin, args: Sequence[Any], kwargs: dict[str, Any], token: str
+) -> None:
+    """Free the key of a queued task that will never run (revoked, expired).
+
+    ``args`` and ``kwargs`` are the message's, as the worker received them.
+    """
+    settings = task._lock_settings()
+    if settings.enabled:
+        settings.backend.release(task._key(settings, args, kwargs or {}), token)
+
+
+@task_revoked.connect
+def release_revoked_queued_lock(
+    sender: Any = None, request: Any = None, terminated: bool = False, **kwargs: Any
+) -> None:
+    """A task revoked or expired before it started frees its enqueue-time key.
+
+    Runs in the worker's main process. A running execution has already
+    replaced the queued value with its own, which this compare leaves alone.
+    """
+    if not isinstance(sender, SingletonTaskMixin) or request is None or terminated:
+        return
+    token = queued_token(request)
+    if token is None:
+        return
+    try:
+        release_queued_lock(sender, request.args or (), request.kwargs or {}, token)
+    except Exception:
+        logger.exception(
+            "could not free the queued lock of revoked %s[%s]", sender.name, request.id
+        )

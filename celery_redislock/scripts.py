@@ -1,0 +1,125 @@
+"""The Lua scripts of the lock, each with its KEYS/ARGV/returns header.
+
+Every lock operation is one of these, sent as one ``EVALSHA`` (re-sent as
+``EVAL`` after a ``NOSCRIPT``: see :class:`celery_redislock.transport.Script`).
+They are the only code that changes a lock key, so the lock's guarantees are
+read here: a key is only ever changed by the holder of its exact value (or,
+for a worker's parent releasing a dead child's lock, of its owner prefix).
+"""
+
+from __future__ import annotations
+
+from celery_redislock.transport import Script
+
+__all__ = ["ACQUIRE", "ACQUIRE_SCRIPT", "RELEASE", "RELEASE_SCRIPT", "RENEW", "RENEW_SCRIPT"]
+
+
+# KEYS[1]    - lock key
+# KEYS[2]    - fence counter of this key (same hash slot: see fence_key)
+# ARGV[1]    - value to store (see tokens.py)
+# ARGV[2]    - time to live in milliseconds
+# ARGV[3]    - time to live of the fence counter in milliseconds
+# ARGV[4..n] - values this caller may take over: the queued value its
+#              producer stored at enqueue time, and the values of its own
+#              earlier acquires whose replies were lost (a timeout after the
+#              script had been sent). Each is replaced by ARGV[1].
+# returns {1, fence} when the lock was taken (a new fence), when the key
+#         already holds ARGV[1] (a client retry after a lost reply: still
+#         ours, TTL refreshed, same fence) or one of ARGV[4..n] (same fence
+#         as that holder); {0, holder value, holder PTTL in ms} otherwise.
+# The fence is max(last fence + 1, server time in microseconds): it keeps
+# increasing after a restart that lost the counter, and the counter key
+# expires, so no key is left behind for ever. Lua numbers are doubles; a
+# microsecond timestamp (~1.8e15) is exact below 2^53.
+ACQUIRE_SCRIPT = """
+local current = redis.call('GET', KEYS[1])
+if current and current ~= ARGV[1] then
+    local ours = false
+    for i = 4, #ARGV do
+        if current == ARGV[i] then
+            ours = true
+            break
+        end
+    end
+    if not ours then
+        return {0, current, redis.call('PTTL', KEYS[1])}
+    end
+end
+local fence = redis.call('GET', KEYS[2])
+if not current or not fence then
+    local now = redis.call('TIME')
+    local micros = tonumber(now[1]) * 1000000 + tonumber(now[2])
+    fence = string.format('%.0f', math.max(tonumber(fence or '0') + 1, micros))
+end
+local counter_ttl = math.max(tonumber(ARGV[3]), tonumber(ARGV[2]))
+redis.call('SET', KEYS[2], fence, 'PX', counter_ttl)
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return {1, fence}
+"""
+
+# KEYS[1] - lock key
+# ARGV[1] - the holder's whole value (mode "exact") or an owner prefix
+#           (mode "prefix", used by a worker's parent for a dead child)
+# ARGV[2] - "exact" or "prefix"
+# ARGV[3] - channel to PUBLISH on when released, to wake waiters
+# ARGV[4] - '' to delete; otherwise a value to leave in place instead
+#           (handing the lock back to a queued retry, or keeping it as an
+#           idempotency window after success)
+# ARGV[5] - time to live in milliseconds for ARGV[4]
+# returns 1 if released or handed over (also when the key already holds
+#         ARGV[4]: a retried release whose first reply was lost), 0 if the
+#         key was already gone, -1 if another holder's value is there (it is
+#         left alone)
+RELEASE_SCRIPT = """
+local current = redis.call('GET', KEYS[1])
+if not current then
+    return 0
+end
+if ARGV[4] ~= '' and current == ARGV[4] then
+    return 1
+end
+local ours
+if ARGV[2] == 'prefix' then
+    ours = string.sub(current, 1, string.len(ARGV[1])) == ARGV[1]
+else
+    ours = current == ARGV[1]
+end
+if not ours then
+    return -1
+end
+if ARGV[4] ~= '' then
+    redis.call('SET', KEYS[1], ARGV[4], 'PX', ARGV[5])
+else
+    redis.call('DEL', KEYS[1])
+end
+redis.call('PUBLISH', ARGV[3], '1')
+return 1
+"""
+
+# KEYS[1..n] - lock keys
+# ARGV[i]    - the holder's value for KEYS[i]
+# ARGV[n+i]  - new time to live in milliseconds for KEYS[i]
+# returns one status per key: 1 renewed, 0 gone, -1 another holder's value.
+# It only PEXPIREs a key that still holds our value; it never re-creates an
+# expired key, which would hide a gap in which someone else may have run.
+RENEW_SCRIPT = """
+local n = #KEYS
+local result = {}
+for i = 1, n do
+    local current = redis.call('GET', KEYS[i])
+    if not current then
+        result[i] = 0
+    elseif current == ARGV[i] then
+        redis.call('PEXPIRE', KEYS[i], ARGV[n + i])
+        result[i] = 1
+    else
+        result[i] = -1
+    end
+end
+return result
+"""
+
+
+ACQUIRE = Script(ACQUIRE_SCRIPT)
+RELEASE = Script(RELEASE_SCRIPT)
+RENEW = Script(RENEW_SCRIPT)

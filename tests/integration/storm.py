@@ -1,4 +1,4 @@
-"""A signal storm against the lock's Redis calls, run as a script (see test_interrupts.py).
+"""A signal storm against the lock's Redis calls, run as a script (see test_abort.py).
 
 SIGALRM fires at a random moment of each call and its handler raises, so
 exceptions land at random points of acquire, release, blocking acquire

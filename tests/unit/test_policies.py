@@ -102,3 +102,12 @@ def test_policies_compare_by_value() -> None:
     assert Retry(countdown=3) == Retry(countdown=3)
     assert Retry(countdown=3) != Retry(countdown=4)
     assert "Wait(timeout=2" in repr(Wait(timeout=2))
+
+
+def test_the_lock_store_backoff_doubles_with_equal_jitter_up_to_a_minute() -> None:
+    from celery_redislock.policies import BACKEND_BACKOFF_MAX, backend_error_countdown
+
+    for attempt, ceiling in [(0, 1), (1, 2), (3, 8), (5, 32), (6, 60), (40, 60)]:
+        samples = [backend_error_countdown(attempt) for _ in range(200)]
+        assert all(ceiling / 2 <= s <= ceiling for s in samples), (attempt, min(samples))
+    assert BACKEND_BACKOFF_MAX == 60

@@ -324,6 +324,7 @@ class RedisLock:
                 self.renew,
                 blocking=self.blocking,
                 timeout=self.timeout,
+                store=self.backend,
             )
             with lock:
                 return function(*args, **kwargs)

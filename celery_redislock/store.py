@@ -142,6 +142,9 @@ def _new_shared_guard() -> None:
     _SHARED_GUARD = threading.Lock()  # it may have been held by another thread at the fork
 
 
+os.register_at_fork(after_in_child=_new_shared_guard)
+
+
 class _Kind(enum.Enum):
     """Who uses a set of connections (see the module docstring)."""
 

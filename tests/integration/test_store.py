@@ -295,6 +295,51 @@ def test_a_store_subclass_serves_the_standalone_lock(
     assert lock_client.get("hooked") is None
     assert store.calls == ["acquire", "extend", "release"]
 
+    @RedisLock(lock_client, "hooked-decorator", ttl=5, store=store)
+    def decorated() -> bool:
+        return lock_client.get("hooked-decorator") is not None
+
+    store.calls = []
+    assert decorated() is True
+    assert store.calls == ["acquire", "release"]  # the decorator's locks use the store too
+
+
+def test_a_fork_while_another_thread_builds_a_store_never_deadlocks_the_child(
+    lock_client: redis.Redis,
+) -> None:
+    """The shared-store guard may be held by another thread at the fork."""
+    import os
+    import signal
+    import threading
+
+    from celery_redislock import store as store_module
+
+    held, release = threading.Event(), threading.Event()
+
+    def hold_the_guard() -> None:
+        with store_module._SHARED_GUARD:
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold_the_guard)
+    holder.start()
+    held.wait(5)
+    pid = os.fork()
+    if pid == 0:  # the child: a new client needs the guard
+        signal.alarm(5)
+        try:
+            kwargs = lock_client.connection_pool.connection_kwargs
+            child_client = redis.Redis(port=kwargs["port"], db=kwargs["db"])
+            lock = RedisLock(child_client, "forked", ttl=5)
+            os._exit(0 if lock.acquire(blocking=False) and lock.release() else 3)
+        except BaseException as exc:
+            os.write(2, f"child: {exc!r}\n".encode())
+            os._exit(4)
+    release.set()
+    holder.join()
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"
+
 
 def test_a_store_class_setting_serves_the_tasks(app_factory: Any) -> None:
     app = app_factory(

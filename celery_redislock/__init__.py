@@ -17,6 +17,7 @@ from celery_redislock.lock import RedisLock
 from celery_redislock.policies import (
     Contention,
     ContentionPolicy,
+    HandOff,
     Raise,
     Retry,
     Skip,
@@ -41,6 +42,7 @@ __all__ = [
     "ConfigurationError",
     "Contention",
     "ContentionPolicy",
+    "HandOff",
     "LockBackendError",
     "LockContended",
     "LockHandle",

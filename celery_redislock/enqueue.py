@@ -19,6 +19,7 @@ from celery.utils import uuid
 from celery_redislock import signals
 from celery_redislock.exceptions import AlreadyQueued, LockBackendError
 from celery_redislock.headers import QUEUED_TOKEN_HEADER, UNSETTLED_HEADER, seconds_until
+from celery_redislock.keys import queued_key
 from celery_redislock.store import AcquireResult
 from celery_redislock.takeback import take_back_value
 from celery_redislock.tokens import LockValue
@@ -48,7 +49,8 @@ def publish_once(
 ) -> Any:
     """Publish ``task`` with ``publish`` (Celery's ``apply_async``), with ``lock_enqueue`` once.
 
-    With ``lock_enqueue`` on, it publishes only if the key is free.
+    With ``lock_enqueue`` on, it publishes only if the key is free (with
+    ``"until_start"``, only if no run of the key is queued and not started).
 
     Re-sends of an existing task id (``self.retry()``, a lock retry,
     Celery's ``retry_on_worker_lost``: they carry ``retries``), canvas
@@ -66,6 +68,11 @@ def publish_once(
     args, kwargs = tuple(args or ()), dict(kwargs or {})
     received = task._as_received(args, kwargs, options.get("serializer") or task.serializer)
     key = task._key(settings, *received)
+    if settings.coalesce:
+        # Held only until the run starts: the worker frees this key in the
+        # round trip that grants it the lock, so a later call publishes the
+        # next run instead of joining one that may have read stale data.
+        key = queued_key(key)
     task_id = options.pop("task_id", None) or uuid()
     token = LockValue.queued(task_id, task.name).encode()
     ttl = settings.enqueue_ttl + seconds_until(options.get("eta") or options.get("countdown"))

@@ -22,10 +22,11 @@ from celery.exceptions import Retry as CeleryRetry
 from celery_redislock import signals
 from celery_redislock._clock import clock
 from celery_redislock.abort import interrupter_for_current_thread
-from celery_redislock.exceptions import LockBackendError, LockKeyError
+from celery_redislock.exceptions import LockBackendError, LockContended, LockKeyError
 from celery_redislock.handoff import pack_message
 from celery_redislock.headers import (
     BACKEND_RETRIES_HEADER,
+    DEBOUNCE_HEADER,
     HANDOFF_COPY_HEADER,
     HANDOFF_HEADER,
     LOCK_RETRIES_HEADER,
@@ -156,6 +157,10 @@ class Execution:
             *own_values(request, headers.get(UNSETTLED_HEADER)),
         ]
         self._granted: list[AcquireResult] = []
+        #: A debounced run: its burst may have moved its due time.
+        self.debounced = bool(
+            settings.debounce and _header(request, DEBOUNCE_HEADER) and not request.is_eager
+        )
         self.handle: LockHandle | None = None
         #: An acquire was sent and its reply not (yet) read.
         self.unsettled = False
@@ -213,13 +218,19 @@ class Execution:
         Refreshed at every park; a ran marker must outlive the other copy of
         its execution (the woken message or the safety-net re-send).
         """
-        return int((self.settings.enqueue_ttl + 2 * self.settings.ttl) * 1000)
+        options = self.task.app.conf.broker_transport_options or {}
+        # An unacked safety-net copy on a Redis or SQS broker comes back after
+        # the visibility timeout when its worker dies: the marker must outlive it.
+        redelivery = float(options.get("visibility_timeout") or 3600)
+        return int((max(self.settings.enqueue_ttl, redelivery) + 2 * self.settings.ttl) * 1000)
 
     def take_lock(self) -> Decision | None:
         """Take the lock; None means "run the body", else the policy's result."""
         task, request, settings = self.task, self.request, self.settings
         started = clock()
         try:
+            if self.debounced:
+                self._wait_for_debounce()
             result = self._acquire()
         except LockBackendError as exc:
             self._on_backend_error(exc)
@@ -306,7 +317,7 @@ class Execution:
             headers.get("celery_beat_task") or getattr(request, "celery_beat_task", None)
         )
         policy = settings.beat_policy if from_beat else settings.policy
-        if self.handoff or self.queued_slot:
+        if self.handoff or self.queued_slot or self.debounced:
             policy = handoff_policy(policy)
         if contention.holder_task_id == request.id:
             policy = RetryWhileOwnDeliveryHolds(policy)
@@ -376,6 +387,19 @@ class Execution:
             countdown,
         )
         return resend(task, countdown, exc, {**extra, HANDOFF_COPY_HEADER: f"f:{new_nonce()}"})
+
+    def _wait_for_debounce(self) -> None:
+        """Re-send this debounced run if a later call of its burst moved its due time."""
+        request = self.request
+        due = self.settings.backend.debounce_due(self.key, request.id or "")
+        if due > 0:
+            logger.info(
+                "%s[%s] debounced: a later call moved its run %.3fs ahead",
+                self.task.name,
+                request.id,
+                due,
+            )
+            resend(self.task, due, LockContended(self.key, None, due), {})
 
     def _drop_second_copy(self) -> NoReturn:
         """Drop this copy: another copy of the same parked execution was granted the lock."""

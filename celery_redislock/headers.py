@@ -23,6 +23,7 @@ from celery_redislock.tokens import LockValue
 
 __all__ = [
     "BACKEND_RETRIES_HEADER",
+    "DEBOUNCE_HEADER",
     "HANDOFF_COPY_HEADER",
     "HANDOFF_HEADER",
     "LOCK_RETRIES_HEADER",
@@ -59,6 +60,9 @@ HANDOFF_HEADER = "redislock_handoff"
 #: Message header telling a parked execution's copies apart: the woken copy
 #: and each safety-net re-send carry a tag of their own.
 HANDOFF_COPY_HEADER = "redislock_handoff_copy"
+#: Message header of a debounced run (``lock_debounce``): its burst may
+#: still move its due time, which the worker checks before it runs.
+DEBOUNCE_HEADER = "redislock_debounced"
 #: Message header: Unix time (seconds) the execution first parked.
 PARKED_SINCE_HEADER = "redislock_parked_since"
 

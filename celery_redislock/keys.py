@@ -34,11 +34,14 @@ from typing import Any
 from celery_redislock.exceptions import ConfigurationError, LockKeyError
 
 __all__ = [
+    "HANDOFF_SUFFIXES",
     "KEY_FORMAT_VERSION",
+    "NOT_LOCK_SUFFIXES",
     "argument_digest",
     "bind_lock_arguments",
     "canonical_encoding",
     "custom_key",
+    "debounce_key",
     "fence_key",
     "handoff_keys",
     "queued_key",
@@ -287,6 +290,8 @@ def fence_key(key: str) -> str:
 
 #: Suffixes of the keys that hold parked executions (see :func:`handoff_keys`).
 HANDOFF_SUFFIXES = ("waiters", "parked", "ran")
+#: Suffixes of every key kept beside a lock that is not a lock itself.
+NOT_LOCK_SUFFIXES = ("fence", "debounce", *HANDOFF_SUFFIXES)
 
 
 def handoff_keys(key: str) -> tuple[str, str, str]:
@@ -300,6 +305,11 @@ def handoff_keys(key: str) -> tuple[str, str, str]:
     """
     waiters, parked, ran = (_companion(key, suffix) for suffix in HANDOFF_SUFFIXES)
     return waiters, parked, ran
+
+
+def debounce_key(key: str) -> str:
+    """Return the key of ``key``'s debounce record (``lock_debounce``)."""
+    return _companion(key, "debounce")
 
 
 def queued_key(key: str) -> str:

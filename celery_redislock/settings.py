@@ -396,6 +396,11 @@ def validate_task_options(cls: type, where: str) -> None:
         value = getattr(cls, attribute)
         if value is not None:
             validate(value, f"{where}: {attribute}")
+    if getattr(cls, "lock_debounce", None) and getattr(cls, "lock_enqueue", None):
+        raise ConfigurationError(
+            f"{where}: set lock_debounce or lock_enqueue, not both (a debounced call "
+            "already joins the burst's run)"
+        )
     key_function = getattr(cls, "lock_key", None)
     if key_function is not None and not callable(key_function):
         raise ConfigurationError(f"{where}: lock_key must be callable, got {key_function!r}")

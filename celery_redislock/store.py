@@ -44,7 +44,8 @@ from celery_redislock.clients import (
 )
 from celery_redislock.exceptions import LockBackendError
 from celery_redislock.keys import (
-    HANDOFF_SUFFIXES,
+    NOT_LOCK_SUFFIXES,
+    debounce_key,
     fence_key,
     handoff_keys,
     release_channel,
@@ -78,7 +79,7 @@ T = TypeVar("T")
 #: Keys per renewal script call: bounds how long one call blocks Redis.
 RENEW_CHUNK_SIZE = 500
 #: Suffixes of the keys kept beside a lock that are not locks themselves.
-_NOT_LOCKS = tuple(f":{suffix}" for suffix in ("fence", *HANDOFF_SUFFIXES))
+_NOT_LOCKS = tuple(f":{suffix}" for suffix in NOT_LOCK_SUFFIXES)
 #: Times one wait subscribes again after its subscription dropped.
 _RESUBSCRIPTIONS = 3
 
@@ -482,6 +483,34 @@ class LockStore:
             parked=bool(int(reply[3])),
         )
 
+    def debounce(
+        self, key: str, task_id: str, window_ms: int, max_wait_ms: int
+    ) -> tuple[bool, str, float]:
+        """Record a call in ``key``'s debounce burst (one round trip).
+
+        Returns:
+            ``(new burst, burst task id, seconds until the run is due)``.
+        """
+        ttl_ms = max_wait_ms + window_ms + 60_000
+        with self._errors("debounce", key):
+            reply = self.do_script(
+                scripts.DEBOUNCE, (debounce_key(key),), (task_id, window_ms, max_wait_ms, ttl_ms)
+            )
+        encoding = self._topology(_Kind.COMMANDS).endpoint_for(key).encoding
+        return bool(int(reply[0])), _text(reply[1], encoding), int(reply[2]) / 1000.0
+
+    def debounce_due(self, key: str, task_id: str, forget: bool = False) -> float:
+        """Seconds until ``task_id``'s debounced run is due; 0 (or less): run now.
+
+        At 0 the burst is over (its record deleted). ``forget`` deletes the
+        record of a burst whose message was never published.
+        """
+        with self._errors("debounce", key):
+            reply = self.do_script(
+                scripts.DEBOUNCE_DUE, (debounce_key(key),), (task_id, "1" if forget else "")
+            )
+        return int(reply) / 1000.0
+
     def acquire_waiting(
         self,
         key: str,
@@ -669,8 +698,9 @@ class LockStore:
     def scan_keys(self, match: str, batch: int = 1000) -> Iterator[list[str]]:
         """Yield batches of keys matching the glob ``match`` (SCAN, never KEYS), on every primary.
 
-        Fence counters (``...:fence``) and the keys of parked executions
-        (``...:waiters``, ``...:parked``, ``...:ran``) are left out. SCAN may return a key
+        Fence counters (``...:fence``), debounce records and the keys of
+        parked executions (``...:waiters``, ``...:parked``, ``...:ran``) are
+        left out. SCAN may return a key
         twice while the keyspace is being resized; callers deduplicate.
         """
         with self._errors("list", match):
@@ -761,6 +791,12 @@ class LockStore:
         if isinstance(reply, list):
             return reply
         return 1 if attempts > 1 and int(reply) == 0 else int(reply)
+
+    def do_script(self, script: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """Run one of the other scripts (debounce) over the commands' connections."""
+        return self._topology(_Kind.COMMANDS).run_for_key(
+            keys[0], lambda endpoint: script.exchange(keys, args, endpoint.encoding)
+        )
 
     def do_park(self, keys: Sequence[str], args: Sequence[Any]) -> Any:
         """Run ``PARK_SCRIPT``; return its raw reply."""

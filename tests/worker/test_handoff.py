@@ -250,3 +250,68 @@ def test_parked_executions_survive_a_threaded_release_storm(
             thread.join()
         assert sorted(r.get(timeout=30) for r in results) == list(range(8))
     assert max(int(n) for n in record.lrange("overlap", 0, -1)) == 1
+
+
+def test_a_debounced_burst_runs_once_a_window_after_its_last_call(
+    app: Celery, record: redis.Redis
+) -> None:
+    @app.task(base=SingletonTask, shared=False, lock_args=("account",), lock_debounce=0.6)
+    def recompute(account: int) -> int:
+        record.rpush("runs", f"{time.time()}|{record.get('counter')}")
+        return account
+
+    with embedded_worker(app, "threads", 2):
+        results = []
+        for _ in range(10):
+            record.incr("counter")
+            results.append(recompute.delay(1))
+            time.sleep(0.1)
+        last_call = time.time()
+        assert len({r.id for r in results}) == 1  # every call joined the burst's run
+        assert results[-1].get(timeout=20) == 1
+    runs = [row.split("|") for row in record.lrange("runs", 0, -1)]
+    assert len(runs) == 1
+    started, seen = float(runs[0][0]), runs[0][1]
+    assert seen == "10"  # it ran after the last call
+    assert 0.5 <= started - last_call < 2.0, started - last_call
+
+
+def test_a_never_ending_burst_still_runs_by_its_max_wait(app: Celery, record: redis.Redis) -> None:
+    @app.task(
+        base=SingletonTask,
+        shared=False,
+        lock_args=("account",),
+        lock_debounce=0.5,
+        lock_debounce_max_wait=1.0,
+    )
+    def recompute(account: int) -> int:
+        record.rpush("runs", f"{time.time()}|{record.get('counter')}")
+        return account
+
+    with embedded_worker(app, "threads", 2):
+        first_call = time.time()
+        last = None
+        while time.time() - first_call < 3.0:
+            record.incr("counter")
+            last = recompute.delay(1)
+            time.sleep(0.1)
+        final = record.get("counter")
+        assert last is not None
+        last.get(timeout=20)
+        wait_until(lambda: record.lrange("runs", -1, -1)[0].endswith(f"|{final}"), timeout=10)
+    runs = [float(row.split("|")[0]) for row in record.lrange("runs", 0, -1)]
+    # A run at most max_wait (+ delivery slack) after each burst began:
+    # several runs in 3 s of calls, not one at the end.
+    assert len(runs) >= 2
+    assert runs[0] - first_call < 1.0 + 1.0
+
+
+def test_debounce_and_enqueue_together_are_refused(app: Celery) -> None:
+    from celery_redislock import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="lock_debounce or lock_enqueue"):
+
+        @app.task(base=SingletonTask, shared=False, lock_debounce=1, lock_enqueue=True)
+        def both() -> None: ...
+
+        both.name  # noqa: B018  (the proxy builds the task class on first use)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from typing import Any
@@ -58,7 +59,7 @@ def test_parked_duplicates_run_one_at_a_time_in_arrival_order_right_after_each_r
         assert [w.get(timeout=30) for w in waiters] == ["w0", "w1", "w2"]
     spans = _spans(record, "spans")
     assert [label for _, _, label in spans] == ["holder", "w0", "w1", "w2"]
-    for (_, end, _), (start, _, label) in zip(spans, spans[1:]):
+    for (_, end, _), (start, _, label) in itertools.pairwise(spans):
         assert start >= end, f"{label} overlapped the run before it"
         # Handed over on release, not after the holder's 30 s TTL.
         assert start - end < 1.0, f"{label} started {start - end:.3f}s after the release"

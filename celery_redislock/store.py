@@ -348,8 +348,9 @@ class LockStore:
             if any(marker in lowered for marker in refused):
                 detail += (
                     " (the lock store must allow EVAL/EVALSHA, GET, SET, PEXPIRE, PTTL, DEL, "
-                    "TIME and PUBLISH on the lock keys for this user, and SUBSCRIBE for the "
-                    "wait policy; see the README's ACL section)"
+                    "TIME and PUBLISH on the lock keys for this user, SUBSCRIBE for the "
+                    "wait policy, and LPOP, RPUSH, LREM, HSET, HGET, HDEL and HSETNX for "
+                    "hand-off, coalescing and debounce; see the README's ACL section)"
                 )
             raise LockBackendError(
                 f"Redis at {self.describe()} refused to {operation} lock {key!r}: {detail}"
@@ -774,11 +775,13 @@ class LockStore:
             max(keep_ms, 1),
             self.handoff_ttl_ms,
         )
-        waiters, parked, _ = handoff_keys(key)
+        waiters, parked, _, parking = handoff_keys(key)
         attempts = 0
 
         def make(endpoint: Endpoint) -> Callable[[Any], Any]:
-            run_script = scripts.RELEASE.exchange((key, waiters, parked), args, endpoint.encoding)
+            run_script = scripts.RELEASE.exchange(
+                (key, waiters, parked, parking), args, endpoint.encoding
+            )
 
             def counted(connection: Any) -> Any:
                 nonlocal attempts

@@ -135,7 +135,7 @@ def test_plain_acl_rules_still_release_and_hand_off_needs_its_own(
         assert plain.release(KEY, "v") is ReleaseOutcome.RELEASED
         # Parking needs the list and hash commands, and says which.
         assert plain.acquire(KEY, "holder", TTL).acquired
-        with pytest.raises(LockBackendError, match="can't run this command.*LPOP, RPUSH"):
+        with pytest.raises(LockBackendError, match=r"can't run this command.*LPOP, RPUSH"):
             plain.park(KEY, "w", TTL, "h", "c", b"m", PARK_TTL)
         assert parker.park(KEY, "w", TTL, "h", "c", b"m", PARK_TTL).parked
         assert parker.release(KEY, "holder") is ReleaseOutcome.RELEASED

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import celery_redislock.startup  # noqa: F401  (connects the worker start check)
 from celery_redislock.exceptions import (
     AlreadyQueued,
     ConfigurationError,

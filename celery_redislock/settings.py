@@ -144,7 +144,10 @@ def validate_url(value: Any, where: str) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str) or "://" not in value:
-        shown = mask_url(value) if isinstance(value, str) else value
+        shown = value
+        if isinstance(value, str) and "@" in value:
+            # No scheme, so no reading of it is safe: keep only what follows the "@".
+            shown = f"**@{value.rpartition('@')[2]}"
         raise ConfigurationError(f"{where} must be a redis:// URL, got {shown!r}")
     return value
 

@@ -24,7 +24,6 @@ from celery.utils.imports import symbol_by_name
 from celery_redislock.exceptions import ConfigurationError
 from celery_redislock.policies import ContentionPolicy, resolve_policy
 from celery_redislock.store import LockStore
-from celery_redislock.urls import mask_url
 
 if TYPE_CHECKING:
     from celery import Celery

@@ -375,28 +375,42 @@ def _spellings(name: str, prefix: str | None) -> tuple[str, ...]:
     return (namespaced.upper() if prefix.isupper() else namespaced, name)
 
 
+def _closest_setting(bare: str) -> str | None:
+    """The known setting closest to ``bare`` (a lowercase ``redislock_*`` name), if any."""
+    # Compared without the common "redislock_", which would make every name look close.
+    suffixes = {spec.name[len(_SETTING_PREFIX) :]: spec.name for spec in SETTINGS}
+    guesses = get_close_matches(bare[len(_SETTING_PREFIX) :], list(suffixes), n=1, cutoff=0.6)
+    return suffixes[guesses[0]] if guesses else None
+
+
 def _unknown_setting_errors(conf: Any) -> list[str]:
     """Messages for ``redislock_*`` keys in ``conf`` that nothing reads, with a did-you-mean."""
     prefix = getattr(conf, "prefix", None) or None
     readable = {spelling for spec in SETTINGS for spelling in _spellings(spec.name, prefix)}
     errors = []
     for key in sorted({key for key in conf if isinstance(key, str)}):
-        bare = key[len(prefix) :] if prefix and key.lower().startswith(prefix.lower()) else key
-        if not bare.lower().startswith(_SETTING_PREFIX) or key in readable:
+        lowered, unread_namespace = key.lower(), False
+        if prefix and lowered.startswith(prefix.lower()):
+            bare = lowered[len(prefix) :]
+        elif not prefix and lowered.startswith(f"celery_{_SETTING_PREFIX}"):
+            # CELERY_REDISLOCK_TTL in a settings module loaded without the namespace.
+            bare, unread_namespace = lowered[len("celery_") :], True
+        else:
+            bare = lowered
+        if not bare.startswith(_SETTING_PREFIX) or key in readable:
             continue
-        # Compared without the common "redislock_", which would make every name look close.
-        suffixes = {spec.name[len(_SETTING_PREFIX) :]: spec.name for spec in SETTINGS}
-        guesses = get_close_matches(
-            bare.lower()[len(_SETTING_PREFIX) :], list(suffixes), n=1, cutoff=0.6
-        )
-        if not guesses:
-            errors.append(f"{key} is not a celery-redislock setting (none has a similar name)")
+        if unread_namespace:
+            problem = "is not read: the app's config was loaded without namespace='CELERY'"
+        else:
+            problem = "is not a celery-redislock setting"
+        guess = _closest_setting(bare)
+        if guess is None:
+            errors.append(f"{key} {problem} (none has a similar name)")
             continue
         # Suggest the spelling in the style the user wrote (namespaced or not).
-        guess = suffixes[guesses[0]]
-        namespaced = prefix is not None and bare != key
+        namespaced = prefix is not None and (key.isupper() or lowered.startswith(prefix.lower()))
         suggestion = _spellings(guess, prefix)[0] if namespaced else guess
-        errors.append(f"{key} is not a celery-redislock setting; did you mean {suggestion}?")
+        errors.append(f"{key} {problem}; did you mean {suggestion}?")
     return errors
 
 

@@ -63,3 +63,11 @@ def test_install_gives_the_lines_that_work_today() -> None:
     assert 'pip install "git+https://<your-git-host>/<org>/celery-redislock"' in install
     assert "pip install celery-redislock " in install
     assert "not on PyPI yet" in install
+
+
+def test_settings_named_in_readme_tables_exist() -> None:
+    from celery_redislock.settings import SETTINGS_BY_NAME
+
+    rows = re.findall(r"^\| `(redislock_\w+)` \|", README.read_text(), flags=re.MULTILINE)
+    assert rows, "no settings table found"
+    assert set(rows) - set(SETTINGS_BY_NAME) == set()

@@ -270,3 +270,42 @@ def test_bad_flag_task_options_fail_at_registration(option: str) -> None:
         def task(x: int) -> None: ...
 
         task.name  # noqa: B018
+
+
+def test_namespaced_spelling_without_the_namespace_is_reported() -> None:
+    class DjangoSettings:
+        CELERY_REDISLOCK_TTL = 12
+
+    app = Celery("config-test", set_as_current=False, set_as_default=False)
+    app.config_from_object(DjangoSettings)
+    app.conf.redislock_url = "redis://h:1/0"
+    with pytest.raises(ConfigurationError) as info:
+        validate_app_settings(app.conf)
+    assert str(info.value) == (
+        "CELERY_REDISLOCK_TTL is not read: the app's config was loaded without "
+        "namespace='CELERY'; did you mean redislock_ttl?"
+    )
+
+
+def test_unprefixed_uppercase_name_under_a_namespace_gets_the_namespaced_spelling() -> None:
+    class DjangoSettings:
+        CELERY_REDISLOCK_URL = "redis://h:1/0"
+        REDISLOCK_TTL = 12
+
+    app = Celery("config-test", set_as_current=False, set_as_default=False)
+    app.config_from_object(DjangoSettings, namespace="CELERY")
+    with pytest.raises(ConfigurationError, match=r"REDISLOCK_TTL is not .*CELERY_REDISLOCK_TTL\?"):
+        validate_app_settings(app.conf)
+
+
+def test_both_spellings_celery_reads_under_a_namespace_are_accepted() -> None:
+    class DjangoSettings:
+        CELERY_REDISLOCK_URL = "redis://h:1/0"
+        CELERY_REDISLOCK_TTL = 12
+
+    app = Celery("config-test", set_as_current=False, set_as_default=False)
+    app.config_from_object(DjangoSettings, namespace="CELERY")
+    app.conf.redislock_on_contention = "raise"
+    validate_app_settings(app.conf)
+    settings = app_settings(app)
+    assert (settings.ttl, settings.on_contention.name) == (12.0, "raise")

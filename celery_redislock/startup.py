@@ -15,7 +15,6 @@ import logging
 from typing import Any
 
 from celery import bootsteps
-from celery.apps.worker import Worker as WorkerProgram
 from celery.signals import worker_init
 
 from celery_redislock.exceptions import ConfigurationError, LockBackendError
@@ -29,9 +28,13 @@ logger = logging.getLogger("celery_redislock.startup")
 
 def uses_redislock(app: Any) -> bool:
     """True when ``app`` has a singleton task or sets any ``redislock_*`` setting."""
-    if any(isinstance(task, SingletonTaskMixin) for task in app.tasks.values()):
+    if any(isinstance(key, str) and "redislock_" in key.lower() for key in app.conf):
         return True
-    return any(isinstance(key, str) and "redislock_" in key.lower() for key in app.conf)
+    try:
+        tasks = list(app.tasks.values())
+    except RuntimeError:  # an app with autofinalize=False that nobody finalized
+        tasks = []
+    return any(isinstance(task, SingletonTaskMixin) for task in tasks)
 
 
 def check_lock_store(settings: AppSettings) -> bool:
@@ -80,10 +83,17 @@ class StartupCheck(bootsteps.Step):
 
     def __init__(self, parent: Any, **kwargs: Any) -> None:
         super().__init__(parent, **kwargs)
+        # Here, not in the worker_init handler: the worker has finalized its
+        # app by now, so every task is registered.
+        if not uses_redislock(parent.app):
+            return
         try:
             settings = app_settings(parent.app)
         except ConfigurationError as exc:
             logger.critical("celery-redislock: the worker cannot start: %s", exc)
+            # Imported here: producers import this package too, and need none of it.
+            from celery.apps.worker import Worker as WorkerProgram
+
             if isinstance(parent, WorkerProgram):
                 # ``celery worker``: the line above says it all; exit 1 without a traceback.
                 raise SystemExit(1) from None
@@ -94,5 +104,5 @@ class StartupCheck(bootsteps.Step):
 @worker_init.connect(weak=False)
 def _add_startup_check(sender: Any = None, **_: Any) -> None:
     app = getattr(sender, "app", None)
-    if app is not None and uses_redislock(app):
+    if app is not None:
         app.steps["worker"].add(StartupCheck)

@@ -103,7 +103,7 @@ def validate_count(value: Any, where: str) -> int:
 
 def validate_hold(value: Any, where: str) -> float:
     """Return ``value`` as seconds >= 0 (0 turns the window off), else raise."""
-    if value == 0 and not isinstance(value, bool):
+    if value == 0:  # False too: "no window"
         return 0.0
     return validate_ttl(value, where)
 

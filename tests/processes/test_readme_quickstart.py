@@ -37,7 +37,7 @@ def test_quickstart_runs_end_to_end(server: RedisServer, tmp_path: Path) -> None
     log_path = tmp_path / "worker.log"
     with log_path.open("w") as log:
         worker = subprocess.Popen(
-            [sys.executable, "-m", *command, "--without-mingle", "--without-gossip"],
+            [sys.executable, "-m", *command],  # the command as the README gives it
             cwd=tmp_path,
             env=env,
             stdout=log,

@@ -1,5 +1,11 @@
 """Settings, read in one place: task attribute, else app setting, else default.
 
+:data:`SETTINGS` is the one list of app settings (name, task attribute,
+default, doc, validator): the readers, :func:`validate_app_settings`, the
+task-option checks and the docs all come from it. Every setting is checked
+when an app's settings are first read (a worker does it at start, see
+startup.py; a producer at its first ``delay()``), all at once.
+
 App settings are read lazily with ``app.conf.get(...)`` the first time a lock
 is used, never registered with ``app.add_defaults`` (which would shadow a
 value loaded by ``config_from_object``). Under

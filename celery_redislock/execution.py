@@ -122,7 +122,9 @@ class Execution:
     def _acquire(self, wait: float | None = None) -> AcquireResult:
         settings, backend = self.settings, self.settings.backend
         self.unsettled = True
-        if wait is None:
+        if settings.limit > 1:
+            result = self._acquire_slot(wait)
+        elif wait is None:
             result = backend.acquire(
                 self.key,
                 self.value,
@@ -143,6 +145,33 @@ class Execution:
             )
         self.unsettled = result.acquired  # granted: the handle owns it from here
         return result
+
+    def _acquire_slot(self, wait: float | None) -> AcquireResult:
+        """``lock_limit`` > 1: take any free slot of the key (waiting up to ``wait`` s)."""
+        settings, backend = self.settings, self.settings.backend
+        task_prefix = LockOwner.task_prefix(self.request.id)
+        if wait is None:
+            return backend.acquire_slot(
+                self.key,
+                settings.limit,
+                self.value,
+                settings.ttl_ms,
+                self.adopt,
+                task_prefix,
+                settings.min_replicas,
+                settings.min_replicas_timeout,
+            )
+        return backend.acquire_waiting(
+            self.key,
+            self.value,
+            settings.ttl_ms,
+            wait,
+            self.adopt,
+            settings.min_replicas,
+            settings.min_replicas_timeout,
+            limit=settings.limit,
+            task_prefix=task_prefix,
+        )
 
     def take_lock(self) -> Decision | None:
         """Take the lock; None means "run the body", else the policy's result."""
@@ -261,7 +290,9 @@ class Execution:
         # The acquire may land after all: after this execution ran without
         # its lock ("run"), or after the re-send ("fail") ran and released.
         # The re-send also carries the value, to take it over if it is there.
-        take_back_value(self.settings.backend, self.key, self.value, now=False)
+        take_back_value(
+            self.settings.backend, self.key, self.value, now=False, limit=self.settings.limit
+        )
         on_backend_error(self.task, self.settings, self.key, exc, self.value)
 
     def _contended(self, result: AcquireResult, policy: str) -> None:
@@ -281,7 +312,7 @@ class Execution:
         task, settings = self.task, self.settings
         handle = LockHandle(
             settings.backend,
-            self.key,
+            result.key or self.key,  # the slot taken, with lock_limit > 1
             self.value,
             settings.ttl,
             result.sent_at,
@@ -352,7 +383,7 @@ class Execution:
                 self.handle.release()
         elif self.unsettled:
             # Interrupted between sending an acquire and reading its reply.
-            take_back_value(self.settings.backend, self.key, self.value)
+            take_back_value(self.settings.backend, self.key, self.value, limit=self.settings.limit)
             self.unsettled = False
 
 

@@ -36,6 +36,7 @@ __all__ = [
     "validate_backend_error_mode",
     "validate_count",
     "validate_hold",
+    "validate_limit",
     "validate_lost_mode",
     "validate_ttl",
 ]
@@ -64,6 +65,7 @@ DEFAULTS: Mapping[str, Any] = {
     "redislock_on_lost": "report",
     "redislock_min_replicas": 0,
     "redislock_min_replicas_timeout": 1.0,
+    "redislock_limit": 1,
 }
 
 
@@ -107,6 +109,40 @@ def validate_count(value: Any, where: str) -> int:
     return value
 
 
+def validate_limit(value: Any, where: str) -> int:
+    """Return ``value`` if it is an int >= 1 (executions per key at once), else raise."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigurationError(
+            f"{where} must be a positive int (executions per key at once), got {value!r}"
+        )
+    return value
+
+
+def check_limit_combination(limit: int, enqueue: bool, hold: float, where: str) -> None:
+    """Refuse the settings not defined together with ``lock_limit`` > 1.
+
+    ``lock_enqueue`` deduplicates a call against the one queued or running
+    call of its key, and ``lock_hold_after_success`` keeps that one call's
+    window: neither says what it means with N slots, so the combination is
+    refused rather than given a meaning nobody asked for.
+
+    Raises:
+        ConfigurationError: ``limit`` > 1 with either of them on.
+    """
+    if limit <= 1:
+        return
+    if enqueue:
+        raise ConfigurationError(
+            f"{where}: lock_limit={limit} cannot be combined with lock_enqueue "
+            "(enqueue-time dedup keeps one queued call per key); turn one of them off"
+        )
+    if hold:
+        raise ConfigurationError(
+            f"{where}: lock_limit={limit} cannot be combined with lock_hold_after_success "
+            "(the idempotency window is one kept value per key); turn one of them off"
+        )
+
+
 def validate_hold(value: Any, where: str) -> float:
     """Return ``value`` as seconds >= 0 (0 turns the window off), else raise."""
     if value == 0:
@@ -136,6 +172,7 @@ class AppSettings:
     min_replicas: int
     min_replicas_timeout: float
     backend: LockStore = field(compare=False, repr=False)
+    limit: int = 1
 
 
 _CACHE: weakref.WeakKeyDictionary[Celery, AppSettings] = weakref.WeakKeyDictionary()
@@ -234,6 +271,7 @@ def _read(app: Celery) -> AppSettings:
         min_replicas_timeout=validate_ttl(
             _get(app, "redislock_min_replicas_timeout"), "redislock_min_replicas_timeout"
         ),
+        limit=validate_limit(_get(app, "redislock_limit"), "redislock_limit"),
         backend=_store_class(_get(app, "redislock_store_class"))(
             url,
             dict(options),
@@ -286,6 +324,7 @@ class TaskSettings:
     on_lost: str
     min_replicas: int
     min_replicas_timeout: float
+    limit: int = 1
 
     @classmethod
     def merge(cls, task: Any, app: AppSettings) -> TaskSettings:
@@ -296,6 +335,10 @@ class TaskSettings:
             return default if value is None else value
 
         ttl = float(pick("lock_ttl", app.ttl))
+        limit = int(pick("lock_limit", app.limit))
+        enqueue = bool(pick("lock_enqueue", app.enqueue))
+        hold = float(pick("lock_hold_after_success", app.hold_after_success))
+        check_limit_combination(limit, enqueue, hold, f"task {getattr(task, 'name', task)}")
         return cls(
             app=app,
             backend=app.backend,
@@ -305,13 +348,14 @@ class TaskSettings:
             policy=resolve_policy(pick("lock_on_contention", app.on_contention)),
             beat_policy=resolve_policy(pick("lock_beat_on_contention", app.beat_on_contention)),
             on_backend_error=str(pick("lock_on_backend_error", app.on_backend_error)),
-            enqueue=bool(pick("lock_enqueue", app.enqueue)),
+            enqueue=enqueue,
             enqueue_ttl=float(pick("lock_enqueue_ttl", app.enqueue_ttl)),
             enqueue_raise=bool(pick("lock_enqueue_raise", app.enqueue_raise)),
-            hold_after_success=float(pick("lock_hold_after_success", app.hold_after_success)),
+            hold_after_success=hold,
             on_lost=str(pick("lock_on_lost", app.on_lost)),
             min_replicas=int(pick("lock_min_replicas", app.min_replicas)),
             min_replicas_timeout=float(pick("lock_min_replicas_timeout", app.min_replicas_timeout)),
+            limit=limit,
         )
 
 
@@ -332,11 +376,18 @@ def validate_task_options(cls: type, where: str) -> None:
         "lock_on_backend_error": validate_backend_error_mode,
         "lock_min_replicas": validate_count,
         "lock_min_replicas_timeout": validate_ttl,
+        "lock_limit": validate_limit,
     }
     for attribute, validate in validators.items():
         value = getattr(cls, attribute)
         if value is not None:
             validate(value, f"{where}: {attribute}")
+    check_limit_combination(
+        getattr(cls, "lock_limit", None) or 1,
+        bool(getattr(cls, "lock_enqueue", None)),
+        getattr(cls, "lock_hold_after_success", None) or 0,
+        where,
+    )
     key_function = getattr(cls, "lock_key", None)
     if key_function is not None and not callable(key_function):
         raise ConfigurationError(f"{where}: lock_key must be callable, got {key_function!r}")

@@ -68,6 +68,9 @@ def test_broker_fallback_only_for_redis_brokers(caplog: pytest.LogCaptureFixture
         ("redislock_store_class", "no_such_module:Store", "cannot be imported"),
         ("redislock_store_class", "collections:OrderedDict", "subclass of LockStore"),
         ("redislock_store_class", dict, "subclass of LockStore"),
+        ("redislock_limit", 0, "positive int"),
+        ("redislock_limit", "3", "positive int"),
+        ("redislock_limit", True, "positive int"),
     ],
 )
 def test_bad_settings_name_the_problem(setting: str, value: Any, message: str) -> None:
@@ -84,6 +87,9 @@ def test_bad_settings_name_the_problem(setting: str, value: Any, message: str) -
         ("lock_on_contention", "sometimes", "lock_on_contention must be one of"),
         ("lock_on_backend_error", "maybe", "lock_on_backend_error must be 'fail' or 'run'"),
         ("lock_key", "not-callable", "lock_key must be callable"),
+        ("lock_limit", 0, "lock_limit must be a positive int"),
+        ("lock_limit", 2.5, "lock_limit must be a positive int"),
+        ("lock_limit", "3", "lock_limit must be a positive int"),
     ],
 )
 def test_bad_task_options_fail_at_registration(option: str, value: Any, message: str) -> None:

@@ -471,7 +471,11 @@ class LockStore:
         keys = slot_keys(key, limit)
         with self._errors("wait for", key), Subscription(endpoint, release_channel(key)) as sub:
             while True:
-                values = endpoint.call("MGET", *keys)
+                # GETs, not MGET: the ACL the README documents allows GET only.
+                if limit > 1:
+                    values = endpoint.pipeline([("GET", slot) for slot in keys])
+                else:
+                    values = [endpoint.call("GET", key)]
                 if not any(value is not None and value.startswith(prefix) for value in values):
                     return True
                 remaining = deadline - clock()

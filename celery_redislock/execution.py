@@ -332,7 +332,7 @@ class Execution:
         handle.start_renewal()
         signals.lock_acquired.send(
             sender=task,
-            key=self.key,
+            key=handle.key,
             task_name=task.name,
             task_id=self.request.id,
             waited=clock() - started,

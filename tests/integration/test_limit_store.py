@@ -8,9 +8,10 @@ import time
 import pytest
 import redis
 
-from celery_redislock import ReleaseOutcome
+from celery_redislock import LockBackendError, ReleaseOutcome
 from celery_redislock.keys import fence_key, release_channel, slot_key, slot_keys, split_slot
 from celery_redislock.store import LockStore
+from celery_redislock.takeback import take_back_value
 from celery_redislock.tokens import LockOwner, LockValue
 from tests.conftest import LOCK_DB
 from tests.servers import RedisServer
@@ -162,3 +163,22 @@ def test_wait_released_watches_every_slot(store: LockStore, lock_client: redis.R
     assert not store.wait_released(KEY, prefix, 0.2, limit=2)
     threading.Timer(0.2, store.release, (f"{KEY}:slot:2", child)).start()
     assert store.wait_released(KEY, prefix, 10.0, limit=2)
+
+
+def test_too_few_replicas_releases_the_slot_again(
+    store: LockStore, lock_client: redis.Redis
+) -> None:
+    store.acquire_slot(KEY, 2, value("first"), 30000)
+    with pytest.raises(LockBackendError, match="replica"):
+        store.acquire_slot(KEY, 2, value("second"), 30000, min_replicas=1, replicas_timeout=0.05)
+    assert lock_client.exists(f"{KEY}:slot:2") == 0 and lock_client.exists(KEY) == 1
+
+
+def test_an_unanswered_acquire_is_taken_back_from_whichever_slot(
+    store: LockStore, lock_client: redis.Redis
+) -> None:
+    store.acquire_slot(KEY, 3, value("first"), 30000)
+    late = value("late")
+    assert store.acquire_slot(KEY, 3, late, 30000).key == f"{KEY}:slot:2"
+    take_back_value(store, KEY, late, limit=3)
+    assert lock_client.exists(f"{KEY}:slot:2") == 0 and lock_client.exists(KEY) == 1

@@ -25,8 +25,8 @@ from celery_redislock.lease import LockHandle
 from celery_redislock.renewer import renewer
 from celery_redislock.settings import app_settings
 from celery_redislock.tokens import LockOwner, LockValue
-from tests.conftest import embedded_worker
-from tests.servers import wait_until
+from tests.conftest import LOCK_DB, embedded_worker
+from tests.servers import FaultProxy, RedisServer, wait_until
 
 pytestmark = pytest.mark.worker
 
@@ -270,3 +270,50 @@ def test_limit_with_enqueue_or_hold_after_success_is_refused(app_factory: Any) -
 
     with pytest.raises(ConfigurationError, match="lock_limit=2 cannot be combined"):
         from_app.delay()
+
+
+@pytest.mark.parametrize("mode", ["run", "fail"])
+def test_an_acquire_whose_reply_was_lost_is_taken_back_or_adopted_in_its_slot(
+    app_factory: Any, server: RedisServer, record: redis.Redis, mode: str
+) -> None:
+    """The acquire times out, then lands in slot 2 later.
+
+    ``run``: the body ran unprotected; the late value is taken back from
+    whichever slot it reached. ``fail``: the re-sent task takes it over.
+    Either way slot 2 is free well before its 30 s TTL.
+    """
+    proxy = FaultProxy(server.port)
+    try:
+        app: Celery = app_factory(
+            redislock_url=f"{proxy.url}/{LOCK_DB}",
+            redislock_on_backend_error=mode,
+            redislock_redis_options={"socket_timeout": 0.5, "socket_connect_timeout": 0.5},
+        )
+
+        @app.task(base=SingletonTask, shared=False, lock_args=(), lock_limit=2)
+        def job(n: int) -> str:
+            record.rpush("runs", n)
+            return job.lock.key if job.lock is not None else "unlocked"
+
+        key = job.lock_key_for((1,), {})
+        locks = server.client(LOCK_DB)
+        with embedded_worker(app, "threads", 1):
+            assert job.delay(0).get(timeout=20) == key  # connections open
+            fill_slots(locks, key, 1)
+            proxy.blackhole()
+            result = job.delay(1)
+            if mode == "run":
+                assert result.get(timeout=30) == "unlocked"
+                proxy.heal_and_flush()  # the held acquire reaches Redis now
+            else:
+                wait_until(lambda: app.AsyncResult(result.id).state == "RETRY", timeout=20)
+                proxy.heal_and_flush()
+                # Slot 2: its own late value, adopted (or taken back just before).
+                assert result.get(timeout=30) == slot_key(key, 2)
+            locks.ping()
+            wait_until(
+                lambda: locks.exists(slot_key(key, 2)) == 0, timeout=20, message="the late value"
+            )
+        assert locks.exists(key) == 1  # the other holder's slot is left alone
+    finally:
+        proxy.close()

@@ -317,3 +317,26 @@ def test_an_acquire_whose_reply_was_lost_is_taken_back_or_adopted_in_its_slot(
         assert locks.exists(key) == 1  # the other holder's slot is left alone
     finally:
         proxy.close()
+
+
+def test_a_second_delivery_never_runs_beside_its_first_even_with_free_slots(
+    app: Celery, record: redis.Redis, lock_client: redis.Redis
+) -> None:
+    """A visibility-timeout redelivery: the first delivery (another worker) holds slot 1."""
+
+    @app.task(base=SingletonTask, shared=False, lock_limit=3, lock_on_contention="skip")
+    def job(n: int) -> str:
+        held = [lock_client.get(slot_key(key, slot)) for slot in (1, 2, 3)]
+        record.set("first-still-held", int(first.encode() in held))
+        assert job.lock is not None
+        return job.lock.key
+
+    key = job.lock_key_for((1,), {})
+    first = LockValue.new(LockOwner("dup-id", 0, "celery@elsewhere", 1), job.name).encode()
+    lock_client.set(key, first, px=1500)
+    with embedded_worker(app, "threads", 2):
+        result = job.apply_async((1,), task_id="dup-id")
+        # Not skipped (that would store a result under the running delivery's
+        # id) and not run beside it: retried until the first delivery's slot is gone.
+        assert result.get(timeout=30) == key
+    assert record.get("first-still-held") == "0"

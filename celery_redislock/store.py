@@ -474,6 +474,9 @@ class LockStore:
                 # GETs, not MGET: the ACL the README documents allows GET only.
                 if limit > 1:
                     values = endpoint.pipeline([("GET", slot) for slot in keys])
+                    for error in values:
+                        if isinstance(error, ResponseError):
+                            raise error
                 else:
                     values = [endpoint.call("GET", key)]
                 if not any(value is not None and value.startswith(prefix) for value in values):

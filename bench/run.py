@@ -55,7 +55,7 @@ def main() -> int:
     if args.smoke:
         args.rounds, args.tasks, args.crash_rounds, args.crash_cap = 1, 40, 1, 1.0
     available = peers_available()
-    contenders = ["plain", "redislock"] + [
+    contenders = ["plain", "redislock", "redislock_limit3"] + [
         name
         for name, module in (
             ("celery_singleton", "celery_singleton"),
@@ -91,7 +91,7 @@ def main() -> int:
                 report,
                 args.crash_rounds,
                 args.crash_cap,
-                [c for c in contenders if c != "plain"],
+                [c for c in contenders if c not in ("plain", "redislock_limit3")],
                 ("default",) if args.smoke else ("default", "ttl60"),
             ),
         ),

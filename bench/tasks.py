@@ -36,6 +36,12 @@ def redislock(n: int) -> None:
     done()
 
 
+@app.task(name="bench.redislock_limit3", base=SingletonTask, lock_limit=3)
+def redislock_limit3(n: int) -> None:
+    """At most 3 per key (``lock_limit=3``): the slot script instead of the single-key one."""
+    done()
+
+
 try:
     from celery_singleton import Singleton
 except ImportError:  # the bench extra is not installed

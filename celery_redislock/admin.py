@@ -24,6 +24,7 @@ from typing import Any
 
 from celery import Celery
 
+from celery_redislock.keys import split_slot
 from celery_redislock.settings import AppSettings, TaskSettings, app_settings
 from celery_redislock.store import ReleaseOutcome
 from celery_redislock.tokens import QUEUED_HOST, LockValue
@@ -59,7 +60,9 @@ class LockRecord:
         acquired_at: When it was taken (Unix seconds).
         ttl_remaining: Seconds until it expires unless renewed; ``None`` if
             it has no expiry.
-        fence: The key's last fencing token.
+        fence: The key's last fencing token (shared by all slots of a key).
+        slot: Which slot of its key this is (``lock_limit``): 1 for the key
+            itself, n for ``<key>:slot:<n>``. Each slot is its own record.
     """
 
     key: str
@@ -73,6 +76,7 @@ class LockRecord:
     acquired_at: float | None
     ttl_remaining: float | None
     fence: int | None
+    slot: int = 1
 
     def age(self, now: float | None = None) -> float | None:
         """Seconds since the lock was taken, if known."""
@@ -90,9 +94,10 @@ class LockRecord:
     ) -> LockRecord:
         """Build a record from what Redis returned for ``key``."""
         decoded = LockValue.decode(value)
+        slot = split_slot(key)[1]
         if decoded is None:
             return cls(
-                key, value, UNKNOWN, None, None, None, None, None, None, ttl_remaining, fence
+                key, value, UNKNOWN, None, None, None, None, None, None, ttl_remaining, fence, slot
             )
         owner = decoded.owner
         queued = owner.hostname == QUEUED_HOST
@@ -108,6 +113,7 @@ class LockRecord:
             acquired_at=decoded.acquired_ms / 1000.0,
             ttl_remaining=ttl_remaining,
             fence=fence,
+            slot=slot,
         )
 
 

@@ -24,7 +24,7 @@ __all__ = ["redislock"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-_COLUMNS = ("KEY", "TASK", "TASK ID", "STATE", "HOST", "PID", "AGE", "TTL", "FENCE")
+_COLUMNS = ("KEY", "TASK", "TASK ID", "STATE", "SLOT", "HOST", "PID", "AGE", "TTL", "FENCE")
 
 
 def _inventory(ctx: click.Context) -> LockInventory:
@@ -60,6 +60,7 @@ def _row(record: LockRecord) -> tuple[str, ...]:
         record.task_name or "-",
         record.task_id or "-",
         record.state,
+        str(record.slot),
         record.hostname or "-",
         "-" if record.pid is None else str(record.pid),
         _seconds(record.age()),
@@ -100,7 +101,7 @@ def redislock(ctx: click.Context) -> None:
 @click.pass_context
 @_clear_errors
 def list_locks(ctx: click.Context, /, task_name: str | None, as_json: bool, **_: Any) -> None:
-    """List every held lock: task, holder, host and pid, age, TTL left, fence."""
+    """List every held lock: task, holder, slot, host and pid, age, TTL left, fence."""
     records = _inventory(ctx).locks(task=task_name)
     if as_json:
         click.echo(json.dumps([r.as_dict() for r in records], indent=2))

@@ -189,6 +189,8 @@ class Execution:
                 self.unsettled = False
                 raise _SecondCopy()
             result = parked.result
+        elif settings.limit > 1:
+            result = self._acquire_slot(wait)
         elif wait is None:
             result = backend.acquire(
                 self.key,
@@ -223,6 +225,33 @@ class Execution:
         # the visibility timeout when its worker dies: the marker must outlive it.
         redelivery = float(options.get("visibility_timeout") or 3600)
         return int((max(self.settings.enqueue_ttl, redelivery) + 2 * self.settings.ttl) * 1000)
+
+    def _acquire_slot(self, wait: float | None) -> AcquireResult:
+        """``lock_limit`` > 1: take any free slot of the key (waiting up to ``wait`` s)."""
+        settings, backend = self.settings, self.settings.backend
+        task_prefix = LockOwner.task_prefix(self.request.id)
+        if wait is None:
+            return backend.acquire_slot(
+                self.key,
+                settings.limit,
+                self.value,
+                settings.ttl_ms,
+                self.adopt,
+                task_prefix,
+                settings.min_replicas,
+                settings.min_replicas_timeout,
+            )
+        return backend.acquire_waiting(
+            self.key,
+            self.value,
+            settings.ttl_ms,
+            wait,
+            self.adopt,
+            settings.min_replicas,
+            settings.min_replicas_timeout,
+            limit=settings.limit,
+            task_prefix=task_prefix,
+        )
 
     def take_lock(self) -> Decision | None:
         """Take the lock; None means "run the body", else the policy's result."""
@@ -420,7 +449,9 @@ class Execution:
         # The acquire may land after all: after this execution ran without
         # its lock ("run"), or after the re-send ("fail") ran and released.
         # The re-send also carries the value, to take it over if it is there.
-        take_back_value(self.settings.backend, self.key, self.value, now=False)
+        take_back_value(
+            self.settings.backend, self.key, self.value, now=False, limit=self.settings.limit
+        )
         on_backend_error(self.task, self.settings, self.key, exc, self.value)
 
     def _contended(self, result: AcquireResult, policy: str) -> None:
@@ -440,7 +471,7 @@ class Execution:
         task, settings = self.task, self.settings
         handle = LockHandle(
             settings.backend,
-            self.key,
+            result.key or self.key,  # the slot taken, with lock_limit > 1
             self.value,
             settings.ttl,
             result.sent_at,
@@ -460,7 +491,7 @@ class Execution:
         handle.start_renewal()
         signals.lock_acquired.send(
             sender=task,
-            key=self.key,
+            key=handle.key,
             task_name=task.name,
             task_id=self.request.id,
             waited=clock() - started,
@@ -511,7 +542,7 @@ class Execution:
                 self.handle.release()
         elif self.unsettled:
             # Interrupted between sending an acquire and reading its reply.
-            take_back_value(self.settings.backend, self.key, self.value)
+            take_back_value(self.settings.backend, self.key, self.value, limit=self.settings.limit)
             self.unsettled = False
 
 

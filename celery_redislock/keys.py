@@ -27,6 +27,7 @@ import decimal
 import hashlib
 import inspect
 import math
+import re
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -46,6 +47,9 @@ __all__ = [
     "handoff_keys",
     "queued_key",
     "release_channel",
+    "slot_key",
+    "slot_keys",
+    "split_slot",
     "task_key",
     "validate_lock_args",
 ]
@@ -276,7 +280,10 @@ def _companion(key: str, suffix: str) -> str:
 
     A key with a hash tag (``...{tag}...``) keeps it; any other key becomes
     the tag itself (``{key}:suffix``), which Redis hashes exactly as ``key``.
+    Every slot of a ``lock_limit`` key shares its base key's companions
+    (fence counter, hand-off keys), so fences keep increasing across slots.
     """
+    key = split_slot(key)[0]
     start = key.find("{")
     if start >= 0 and key.find("}", start + 1) > start + 1:
         return f"{key}:{suffix}"
@@ -321,5 +328,48 @@ def queued_key(key: str) -> str:
 
 
 def release_channel(key: str) -> str:
-    """Return the pub/sub channel a release of ``key`` is announced on."""
-    return f"{key}:released"
+    """Return the pub/sub channel a release of ``key`` is announced on.
+
+    A slot key announces on its base key's channel: a waiter for the key
+    wakes when any of its slots frees.
+    """
+    return f"{split_slot(key)[0]}:released"
+
+
+#: ``<base key>:slot:<n>``, n >= 2. A base key of a lock that may have slots
+#: (a task key) always ends with its hash tag's ``}``, so a slot suffix
+#: can never be mistaken for part of a base key.
+_SLOT_KEY = re.compile(r"^(?P<base>.*\}):slot:(?P<slot>[1-9][0-9]*)$", re.DOTALL)
+
+
+def slot_key(key: str, slot: int) -> str:
+    """Return the key of ``key``'s ``slot``-th slot (``lock_limit``); slot 1 is ``key`` itself.
+
+    Slots 2..N append ``:slot:<n>`` after the key's hash tag, so all slots
+    (and the fence counter) share one Redis Cluster hash slot and one
+    script can look at all of them.
+
+    Raises:
+        ValueError: ``slot`` < 1, or a slot > 1 of a key without a hash tag
+            at its end (task keys always have one).
+    """
+    if slot < 1:
+        raise ValueError(f"slot must be >= 1, got {slot}")
+    if slot == 1:
+        return key
+    if not key.endswith("}") or "{" not in key:
+        raise ValueError(f"key {key!r} has no hash tag at its end; it cannot have slots")
+    return f"{key}:slot:{slot}"
+
+
+def slot_keys(key: str, limit: int) -> list[str]:
+    """Return the keys of slots 1..``limit`` of ``key``."""
+    return [slot_key(key, slot) for slot in range(1, limit + 1)]
+
+
+def split_slot(key: str) -> tuple[str, int]:
+    """Return ``(base key, slot number)`` of a key; any other key is its own slot 1."""
+    match = _SLOT_KEY.match(key)
+    if match is None or int(match["slot"]) < 2:
+        return key, 1
+    return match["base"], int(match["slot"])

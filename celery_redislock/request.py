@@ -176,7 +176,7 @@ class SingletonRequest(Request):
         try:
             lock = self._child_lock()
             released = lock is None or lock.settings.backend.wait_released(
-                lock.key, lock.owner.prefix(), timeout
+                lock.key, lock.owner.prefix(), timeout, lock.settings.limit
             )
         except Exception:
             logger.exception("could not watch the lock of %s[%s]", self.name, self.id)
@@ -212,7 +212,7 @@ class SingletonRequest(Request):
                 ttl = settings.enqueue_ttl + float(lock.task.default_retry_delay or 0)
                 store.release_owner(lock.key, prefix, token, int(ttl * 1000))
                 return
-            if store.release_owner(lock.key, prefix) is ReleaseOutcome.RELEASED:
+            if _release_owner(lock, prefix) is ReleaseOutcome.RELEASED:
                 logger.warning(
                     "released lock %s of %s[%s] attempt %d after its process %s ended "
                     "abnormally (%s)",
@@ -227,6 +227,14 @@ class SingletonRequest(Request):
             logger.exception(
                 "could not release the lock of %s[%s] (%s)", self.name, self.id, reason
             )
+
+
+def _release_owner(lock: _ChildLock, prefix: str) -> ReleaseOutcome:
+    """Release the dead child's lock by owner prefix; with ``lock_limit`` > 1, whichever slot."""
+    store = lock.settings.backend
+    if lock.settings.limit > 1:
+        return store.release_slot_of(lock.key, lock.settings.limit, prefix, "prefix")
+    return store.release_owner(lock.key, prefix)
 
 
 class _ChildLock(NamedTuple):

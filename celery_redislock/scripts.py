@@ -14,6 +14,8 @@ from celery_redislock.transport import Script
 __all__ = [
     "ACQUIRE",
     "ACQUIRE_SCRIPT",
+    "ACQUIRE_SLOT",
+    "ACQUIRE_SLOT_SCRIPT",
     "DEBOUNCE",
     "DEBOUNCE_DUE",
     "DEBOUNCE_DUE_SCRIPT",
@@ -22,6 +24,8 @@ __all__ = [
     "PARK_SCRIPT",
     "RELEASE",
     "RELEASE_SCRIPT",
+    "RELEASE_SLOTS",
+    "RELEASE_SLOTS_SCRIPT",
     "RENEW",
     "RENEW_SCRIPT",
 ]
@@ -291,6 +295,135 @@ redis.call('DEL', KEYS[1])
 return 0
 """
 
+# At most N per key (lock_limit=N > 1): N slot keys, each an ordinary
+# token-owned lock (slot 1 is the key itself; see keys.slot_key). Renewal,
+# loss detection and exact release work on the one slot a holder took, with
+# the scripts above.
+#
+# KEYS[1..n] - the slot keys (n = #KEYS - 1)
+# KEYS[n+1]  - the fence counter of the base key, shared by every slot
+# ARGV[1]    - value to store
+# ARGV[2]    - time to live in milliseconds
+# ARGV[3]    - time to live of the fence counter in milliseconds
+# ARGV[4]    - the caller's task prefix ("v1|<task id>|") or '': a slot
+#              holding a value with this prefix (another delivery or an
+#              earlier attempt of the same task) is contention, even if
+#              another slot is free: one message never runs twice at once
+# ARGV[5..m] - values this caller may take over (as ACQUIRE_SCRIPT's)
+# returns {1, fence, slot} when a slot was taken: the first slot that holds
+#         ARGV[1] or one of ARGV[5..m] (a retry after a lost reply finds its
+#         own slot; same fence, as ACQUIRE_SCRIPT), else the first free slot
+#         (a new fence). Any further slot holding one of our values is
+#         deleted, so a caller never holds two. {0, holder value, holder
+#         PTTL in ms} otherwise: a holder of the same task if any, else the
+#         holder with the shortest remaining PTTL (the slot that frees first).
+ACQUIRE_SLOT_SCRIPT = """
+local slots = #KEYS - 1
+local task_prefix = ARGV[4]
+local mine, free, same_task, shortest, shortest_ttl
+local values = {}
+for i = 1, slots do
+    local current = redis.call('GET', KEYS[i])
+    values[i] = current
+    if current then
+        local ours = current == ARGV[1]
+        if not ours then
+            for j = 5, #ARGV do
+                if current == ARGV[j] then
+                    ours = true
+                    break
+                end
+            end
+        end
+        if ours then
+            if mine then
+                redis.call('DEL', KEYS[i])
+            else
+                mine = i
+            end
+        elseif task_prefix ~= '' and string.sub(current, 1, #task_prefix) == task_prefix then
+            same_task = same_task or i
+        else
+            local pttl = redis.call('PTTL', KEYS[i])
+            local rank = pttl
+            if rank < 0 then
+                rank = math.huge
+            end
+            if not shortest or rank < shortest_ttl then
+                shortest, shortest_ttl = i, rank
+            end
+        end
+    elseif not free then
+        free = i
+    end
+end
+local slot = mine
+if not slot then
+    if same_task then
+        return {0, values[same_task], redis.call('PTTL', KEYS[same_task])}
+    end
+    if not free then
+        return {0, values[shortest], redis.call('PTTL', KEYS[shortest])}
+    end
+    slot = free
+end
+local fence_key = KEYS[slots + 1]
+local fence = redis.call('GET', fence_key)
+if not mine or not fence then
+    local now = redis.call('TIME')
+    local micros = tonumber(now[1]) * 1000000 + tonumber(now[2])
+    fence = string.format('%.0f', math.max(tonumber(fence or '0') + 1, micros))
+end
+local counter_ttl = math.max(tonumber(ARGV[3]), tonumber(ARGV[2]))
+redis.call('SET', fence_key, fence, 'PX', counter_ttl)
+redis.call('SET', KEYS[slot], ARGV[1], 'PX', ARGV[2])
+return {1, fence, slot}
+"""
+
+# Release whichever slot holds a value (lock_limit=N > 1): taking back the
+# value of an acquire whose reply was lost, and a worker's parent releasing
+# a dead child's slot by owner prefix, when neither knows the slot.
+#
+# KEYS[1..n] - the slot keys
+# ARGV[1]    - the holder's whole value (mode "exact") or an owner prefix
+#              (mode "prefix")
+# ARGV[2]    - "exact" or "prefix"
+# ARGV[3]    - channel to PUBLISH on when released, to wake waiters
+# returns the number (1..n) of the slot released (every matching slot is
+#         deleted; the lowest is returned), 0 if none matched and some slot
+#         is empty, -1 if none matched and every slot holds another value
+RELEASE_SLOTS_SCRIPT = """
+local released = 0
+local empty = false
+for i = 1, #KEYS do
+    local current = redis.call('GET', KEYS[i])
+    if not current then
+        empty = true
+    else
+        local ours
+        if ARGV[2] == 'prefix' then
+            ours = string.sub(current, 1, string.len(ARGV[1])) == ARGV[1]
+        else
+            ours = current == ARGV[1]
+        end
+        if ours then
+            redis.call('DEL', KEYS[i])
+            if released == 0 then
+                released = i
+            end
+        end
+    end
+end
+if released > 0 then
+    redis.call('PUBLISH', ARGV[3], '1')
+    return released
+end
+if empty then
+    return 0
+end
+return -1
+"""
+
 
 ACQUIRE = Script(ACQUIRE_SCRIPT)
 DEBOUNCE = Script(DEBOUNCE_SCRIPT)
@@ -298,3 +431,5 @@ DEBOUNCE_DUE = Script(DEBOUNCE_DUE_SCRIPT)
 PARK = Script(PARK_SCRIPT)
 RELEASE = Script(RELEASE_SCRIPT)
 RENEW = Script(RENEW_SCRIPT)
+ACQUIRE_SLOT = Script(ACQUIRE_SLOT_SCRIPT)
+RELEASE_SLOTS = Script(RELEASE_SLOTS_SCRIPT)

@@ -29,7 +29,7 @@ from celery.utils.imports import symbol_by_name
 
 from celery_redislock.exceptions import ConfigurationError
 from celery_redislock.handoff import publisher as handoff_publisher
-from celery_redislock.policies import ContentionPolicy, resolve_policy
+from celery_redislock.policies import ContentionPolicy, HandOff, resolve_policy
 from celery_redislock.store import LockStore
 
 if TYPE_CHECKING:
@@ -49,6 +49,7 @@ __all__ = [
     "validate_debounce",
     "validate_enqueue_mode",
     "validate_hold",
+    "validate_limit",
     "validate_lost_mode",
     "validate_ttl",
 ]
@@ -136,6 +137,63 @@ def validate_debounce(value: Any, where: str) -> float:
 def validate_max_wait(value: Any, where: str) -> float | None:
     """Return a debounce cap in seconds, or None (ten windows), else raise."""
     return None if value is None else validate_ttl(value, where)
+
+
+def validate_limit(value: Any, where: str) -> int:
+    """Return ``value`` if it is an int >= 1 (executions per key at once), else raise."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigurationError(
+            f"{where} must be a positive int (executions per key at once), got {value!r}"
+        )
+    return value
+
+
+def check_limit_combination(
+    limit: int,
+    enqueue: bool,
+    hold: float,
+    where: str,
+    debounce: float = 0.0,
+    policies: tuple[Any, ...] = (),
+) -> None:
+    """Refuse the settings not defined together with ``lock_limit`` > 1.
+
+    ``lock_enqueue`` deduplicates a call against the one queued or running
+    call of its key, and ``lock_hold_after_success`` keeps that one call's
+    window: neither says what it means with N slots, so the combination is
+    refused rather than given a meaning nobody asked for. ``lock_debounce``
+    and the ``HandOff`` policy hand the key to one run at a time; with slots
+    they are not built yet.
+
+    Raises:
+        ConfigurationError: ``limit`` > 1 with any of them on.
+    """
+    if limit <= 1:
+        return
+    if enqueue:
+        raise ConfigurationError(
+            f"{where}: lock_limit={limit} cannot be combined with lock_enqueue "
+            "(enqueue-time dedup keeps one queued call per key); turn one of them off"
+        )
+    if hold:
+        raise ConfigurationError(
+            f"{where}: lock_limit={limit} cannot be combined with lock_hold_after_success "
+            "(the idempotency window is one kept value per key); turn one of them off"
+        )
+    if debounce:
+        raise ConfigurationError(
+            f"{where}: lock_limit={limit} cannot be combined with lock_debounce "
+            "(not supported yet); turn one of them off"
+        )
+    for policy in policies:
+        seen = policy
+        while seen is not None:
+            if isinstance(seen, HandOff):
+                raise ConfigurationError(
+                    f"{where}: lock_limit={limit} cannot be combined with the HandOff "
+                    "policy (not supported yet); use retry or wait"
+                )
+            seen = getattr(seen, "then", None)
 
 
 def validate_hold(value: Any, where: str) -> float:
@@ -381,6 +439,15 @@ SETTINGS: tuple[SettingSpec, ...] = (
         default_doc="ten windows",
     ),
     SettingSpec(
+        "redislock_limit",
+        "lock_limit",
+        1,
+        "At most this many executions per key at once (a counting semaphore of N "
+        "token-owned slots). Not with `lock_enqueue`, `lock_hold_after_success`, "
+        "`lock_debounce` or `HandOff`.",
+        validate_limit,
+    ),
+    SettingSpec(
         "redislock_hold_after_success",
         "lock_hold_after_success",
         0.0,
@@ -540,6 +607,7 @@ class AppSettings:
     min_replicas: int
     min_replicas_timeout: float
     backend: LockStore = field(compare=False, repr=False)
+    limit: int = 1
 
 
 _CACHE: weakref.WeakKeyDictionary[Celery, AppSettings] = weakref.WeakKeyDictionary()
@@ -587,6 +655,7 @@ def _read(app: Celery) -> AppSettings:
         on_lost=values["redislock_on_lost"],
         min_replicas=values["redislock_min_replicas"],
         min_replicas_timeout=values["redislock_min_replicas_timeout"],
+        limit=values["redislock_limit"],
         backend=values["redislock_store_class"](
             url,
             dict(options),
@@ -649,6 +718,7 @@ class TaskSettings:
     on_lost: str
     min_replicas: int
     min_replicas_timeout: float
+    limit: int = 1
 
     @classmethod
     def merge(cls, task: Any, app: AppSettings) -> TaskSettings:
@@ -662,6 +732,18 @@ class TaskSettings:
         enqueue = validate_enqueue_mode(pick("lock_enqueue", app.enqueue), "lock_enqueue")
         debounce = float(pick("lock_debounce", app.debounce))
         max_wait = pick("lock_debounce_max_wait", app.debounce_max_wait)
+        limit = int(pick("lock_limit", app.limit))
+        hold = float(pick("lock_hold_after_success", app.hold_after_success))
+        policy = resolve_policy(pick("lock_on_contention", app.on_contention))
+        beat_policy = resolve_policy(pick("lock_beat_on_contention", app.beat_on_contention))
+        check_limit_combination(
+            limit,
+            enqueue != "off",
+            hold,
+            f"task {getattr(task, 'name', task)}",
+            debounce,
+            (policy, beat_policy),
+        )
         return cls(
             app=app,
             backend=app.backend,
@@ -678,10 +760,11 @@ class TaskSettings:
             debounce=debounce,
             # A burst that never ends still runs: by default after ten windows.
             debounce_max_wait=float(max_wait) if max_wait is not None else 10 * debounce,
-            hold_after_success=float(pick("lock_hold_after_success", app.hold_after_success)),
+            hold_after_success=hold,
             on_lost=str(pick("lock_on_lost", app.on_lost)),
             min_replicas=int(pick("lock_min_replicas", app.min_replicas)),
             min_replicas_timeout=float(pick("lock_min_replicas_timeout", app.min_replicas_timeout)),
+            limit=limit,
         )
 
 
@@ -703,6 +786,21 @@ def validate_task_options(cls: type, where: str) -> None:
             f"{where}: set lock_debounce or lock_enqueue, not both (a debounced call "
             "already joins the burst's run)"
         )
+    check_limit_combination(
+        getattr(cls, "lock_limit", None) or 1,
+        bool(getattr(cls, "lock_enqueue", None)),
+        getattr(cls, "lock_hold_after_success", None) or 0,
+        where,
+        getattr(cls, "lock_debounce", None) or 0,
+        tuple(
+            resolve_policy(value)
+            for value in (
+                getattr(cls, "lock_on_contention", None),
+                getattr(cls, "lock_beat_on_contention", None),
+            )
+            if value is not None
+        ),
+    )
     key_function = getattr(cls, "lock_key", None)
     if key_function is not None and not callable(key_function):
         raise ConfigurationError(f"{where}: lock_key must be callable, got {key_function!r}")

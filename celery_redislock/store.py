@@ -55,6 +55,7 @@ from celery_redislock.keys import (
     fence_key,
     handoff_keys,
     release_channel,
+    slot_keys,
 )
 from celery_redislock.keys import queued_key as queued_key_of
 from celery_redislock.tokens import LockValue
@@ -62,6 +63,7 @@ from celery_redislock.transport import (
     NO_RETRY,
     ClusterTopology,
     Endpoint,
+    Script,
     Subscription,
     Topology,
     connection_factory,
@@ -117,6 +119,9 @@ class AcquireResult:
             (``None`` when the key has no expiry).
         sent_at: :func:`clock` reading just before the acquire was sent.
         fence: The acquisition's fencing token when acquired (see fencing.py).
+        key: The key taken, when acquired with :meth:`LockStore.acquire_slot`:
+            the slot key (``None`` from :meth:`LockStore.acquire`: the key
+            itself).
     """
 
     acquired: bool
@@ -124,6 +129,7 @@ class AcquireResult:
     ttl_remaining: float | None = None
     sent_at: float = 0.0
     fence: int | None = None
+    key: str | None = None
 
     @property
     def holder_value(self) -> LockValue | None:
@@ -567,6 +573,8 @@ class LockStore:
         adopt: Sequence[str] = (),
         min_replicas: int = 0,
         replicas_timeout: float = 1.0,
+        limit: int = 1,
+        task_prefix: str = "",
     ) -> AcquireResult:
         """Take a lock already found held, waiting up to ``timeout`` seconds.
 
@@ -575,7 +583,9 @@ class LockStore:
         failed try and the subscription is never missed. Each wait is also
         capped at the holder's remaining TTL, so a lost message or a holder
         that died costs at most that long. The subscription has a connection
-        of its own, closed on the way out.
+        of its own, closed on the way out. With ``limit`` > 1 it takes any of
+        the key's slots (see :meth:`acquire_slot`); every slot's release
+        wakes it.
 
         Raises:
             LockBackendError: Redis is unreachable (or too few replicas).
@@ -590,9 +600,21 @@ class LockStore:
                     with Subscription(endpoint, release_channel(key)) as sub:
                         subscribed = True
                         while True:
-                            result = self.acquire(
-                                key, value, ttl_ms, adopt, min_replicas, replicas_timeout
-                            )
+                            if limit > 1:
+                                result = self.acquire_slot(
+                                    key,
+                                    limit,
+                                    value,
+                                    ttl_ms,
+                                    adopt,
+                                    task_prefix,
+                                    min_replicas,
+                                    replicas_timeout,
+                                )
+                            else:
+                                result = self.acquire(
+                                    key, value, ttl_ms, adopt, min_replicas, replicas_timeout
+                                )
                             remaining = deadline - clock()
                             if result.acquired or remaining <= 0:
                                 return result
@@ -610,11 +632,12 @@ class LockStore:
                     if not subscribed or dropped > _RESUBSCRIPTIONS:
                         raise
 
-    def wait_released(self, key: str, owner_prefix: str, timeout: float) -> bool:
+    def wait_released(self, key: str, owner_prefix: str, timeout: float, limit: int = 1) -> bool:
         """Wait up to ``timeout`` seconds until ``key`` no longer holds a value of this owner.
 
         Woken by the release notification (a subscription of its own), not
         by polling. Returns True once released (or taken by someone else).
+        With ``limit`` > 1, until none of the key's slots holds one.
 
         Raises:
             LockBackendError: Redis is unreachable.
@@ -622,10 +645,18 @@ class LockStore:
         deadline = clock() + timeout
         endpoint = self._topology(_Kind.COMMANDS).endpoint_for(key)
         prefix = owner_prefix.encode(endpoint.encoding)
+        keys = slot_keys(key, limit)
         with self._errors("wait for", key), Subscription(endpoint, release_channel(key)) as sub:
             while True:
-                value = endpoint.call("GET", key)
-                if value is None or not value.startswith(prefix):
+                # GETs, not MGET: the ACL the README documents allows GET only.
+                if limit > 1:
+                    values = endpoint.pipeline([("GET", slot) for slot in keys])
+                    for error in values:
+                        if isinstance(error, ResponseError):
+                            raise error
+                else:
+                    values = [endpoint.call("GET", key)]
+                if not any(value is not None and value.startswith(prefix) for value in values):
                     return True
                 remaining = deadline - clock()
                 if remaining <= 0:
@@ -650,6 +681,82 @@ class LockStore:
     ) -> ReleaseOutcome:
         """Delete (or hand over, see :meth:`release`) if the value starts with ``owner_prefix``."""
         return self._release(key, owner_prefix, "prefix", keep, keep_ms)
+
+    def acquire_slot(
+        self,
+        key: str,
+        limit: int,
+        value: str,
+        ttl_ms: int,
+        adopt: Sequence[str] = (),
+        task_prefix: str = "",
+        min_replicas: int = 0,
+        replicas_timeout: float = 1.0,
+    ) -> AcquireResult:
+        """Take one of ``key``'s ``limit`` slots (``lock_limit``): at most ``limit`` holders.
+
+        One round trip (two with ``min_replicas``); see ``ACQUIRE_SLOT_SCRIPT``.
+        Each slot is an ordinary lock key (slot 1 is ``key``): the result's
+        ``key`` is the slot taken, which the holder renews and releases as
+        any lock. When every slot is held, the result names the holder whose
+        slot frees first (or a holder of the same task, ``task_prefix``).
+
+        Args:
+            key: The base lock key.
+            limit: Number of slots (>= 1).
+            value: Value to store.
+            ttl_ms: Time to live in milliseconds.
+            adopt: Values this caller may take over, in whichever slot.
+            task_prefix: ``"v1|<task id>|"``: a slot held by the same task
+                counts as contention, so one message never runs twice at once.
+            min_replicas: As :meth:`acquire`.
+            replicas_timeout: As :meth:`acquire`.
+
+        Raises:
+            LockBackendError: Redis is unreachable or refused the script, or
+                too few replicas acknowledged the slot.
+        """
+        sent_at = clock()
+        with self._errors("acquire", key):
+            reply, acked = self.do_acquire_slot(
+                key, limit, value, ttl_ms, adopt, task_prefix, min_replicas, replicas_timeout
+            )
+        if int(reply[0]) == 1:
+            taken = slot_keys(key, limit)[int(reply[2]) - 1]
+            if acked is not None and acked < min_replicas:
+                self.release(taken, value)
+                raise LockBackendError(
+                    f"lock {taken!r} was taken but only {acked} of {min_replicas} replica(s) "
+                    f"acknowledged it within {replicas_timeout}s; released it again "
+                    "(a failover now could lose it)"
+                )
+            return AcquireResult(True, sent_at=sent_at, fence=int(reply[1]), key=taken)
+        pttl = int(reply[2])
+        return AcquireResult(
+            False,
+            _text(reply[1], self._topology(_Kind.COMMANDS).endpoint_for(key).encoding),
+            pttl / 1000.0 if pttl >= 0 else None,
+            sent_at=sent_at,
+        )
+
+    def release_slot_of(
+        self, key: str, limit: int, match: str, mode: str = "exact"
+    ) -> ReleaseOutcome:
+        """Release whichever of ``key``'s slots holds ``match`` (a value, or an owner prefix).
+
+        For callers that do not know the slot: a take-back of an unanswered
+        acquire, a worker's parent releasing a dead child's slot. With
+        ``limit`` 1 it is :meth:`release` / :meth:`release_owner`.
+
+        Returns:
+            ``RELEASED``; ``ALREADY_GONE`` if no slot matched and one is
+            free; ``NOT_OURS`` if every slot holds another value.
+        """
+        if limit <= 1:
+            return self._release(key, match, mode, "", 0)
+        with self._errors("release", key):
+            reply = self.do_release_slots(key, limit, match, mode)
+        return ReleaseOutcome(max(min(reply, 1), -1))
 
     def _release(self, key: str, match: str, mode: str, keep: str, keep_ms: int) -> ReleaseOutcome:
         with self._errors("release", key):
@@ -803,6 +910,70 @@ class LockStore:
         )
         return reply, None
 
+    def do_acquire_slot(
+        self,
+        key: str,
+        limit: int,
+        value: str,
+        ttl_ms: int,
+        adopt: Sequence[str],
+        task_prefix: str,
+        min_replicas: int,
+        replicas_timeout: float,
+    ) -> tuple[Any, int | None]:
+        """Run ``ACQUIRE_SLOT_SCRIPT`` (then ``WAIT`` when ``min_replicas`` > 0).
+
+        Returns:
+            The script's reply, and the number of replicas that acknowledged
+            the write (``None`` when not asked for or not taken).
+        """
+        keys = (*slot_keys(key, limit), fence_key(key))
+        args = (value, ttl_ms, self.fence_ttl_ms, task_prefix, *adopt)
+        topology = self._topology(_Kind.COMMANDS)
+        if min_replicas > 0:
+            if isinstance(topology, ClusterTopology):
+                raise LockBackendError(
+                    "lock_min_replicas is not available on Redis Cluster: WAIT must run on "
+                    "the connection that took the lock"
+                )
+            timeout_ms = max(int(replicas_timeout * 1000), 1)
+            reply, acked = topology.run_for_key(
+                key,
+                lambda endpoint: _then_wait(
+                    endpoint, keys, args, min_replicas, timeout_ms, scripts.ACQUIRE_SLOT
+                ),
+            )
+            return reply, acked
+        reply = topology.run_for_key(
+            key, lambda endpoint: scripts.ACQUIRE_SLOT.exchange(keys, args, endpoint.encoding)
+        )
+        return reply, None
+
+    def do_release_slots(self, key: str, limit: int, match: str, mode: str) -> int:
+        """Run ``RELEASE_SLOTS_SCRIPT``; return its reply (slot number, 0 or -1).
+
+        On the releases' connections (short timeout, one retry), as
+        :meth:`do_release`. If the first attempt's reply was lost, the
+        retry's "no match" cannot tell; it is reported as released (1)
+        when a slot is free, as :meth:`do_release` does.
+        """
+        keys = slot_keys(key, limit)
+        args = (match, mode, release_channel(key))
+        attempts = 0
+
+        def make(endpoint: Endpoint) -> Callable[[Any], Any]:
+            run_script = scripts.RELEASE_SLOTS.exchange(keys, args, endpoint.encoding)
+
+            def counted(connection: Any) -> Any:
+                nonlocal attempts
+                attempts += 1
+                return run_script(connection)
+
+            return counted
+
+        reply = int(self._topology(_Kind.RELEASES).run_for_key(key, make))
+        return 1 if attempts > 1 and reply == 0 else reply
+
     def do_release(self, key: str, match: str, mode: str, keep: str, keep_ms: int) -> Any:
         """Run ``RELEASE_SCRIPT``; return its reply (1, 0, -1, or a hand-off).
 
@@ -906,13 +1077,14 @@ def _then_wait(
     args: Sequence[Any],
     replicas: int,
     timeout_ms: int,
+    script: Script | None = None,
 ) -> Callable[[Any], tuple[Any, int | None]]:
     """An exchange: the acquire script, then ``WAIT`` on the same connection if it succeeded.
 
     ``WAIT`` counts the writes of its own connection, so it must follow the
     script on that connection, and never inside MULTI.
     """
-    acquire = scripts.ACQUIRE.exchange(keys, args, endpoint.encoding)
+    acquire = (script or scripts.ACQUIRE).exchange(keys, args, endpoint.encoding)
     wait = pack_command(("WAIT", replicas, timeout_ms), endpoint.encoding)
 
     def run(connection: Any) -> tuple[Any, int | None]:

@@ -120,7 +120,9 @@ def pending() -> int:
     return _WORKER.pending()
 
 
-def take_back_value(backend: LockStore, key: str, value: str, *, now: bool = True) -> None:
+def take_back_value(
+    backend: LockStore, key: str, value: str, *, now: bool = True, limit: int = 1
+) -> None:
     """Take back ``value`` from ``key`` (compare-and-delete), now and for about a minute.
 
     Args:
@@ -129,11 +131,16 @@ def take_back_value(backend: LockStore, key: str, value: str, *, now: bool = Tru
         value: Exactly the value the unanswered acquire sent.
         now: Make the first attempt in the calling thread. False when the
             store has just failed: the caller should not wait on it again.
+        limit: The key's ``lock_limit``: with more than one slot, the value
+            is taken back from whichever slot it landed in.
     """
 
     def attempt() -> bool:
         try:
-            outcome = backend.release(key, value)
+            if limit > 1:
+                outcome = backend.release_slot_of(key, limit, value)
+            else:
+                outcome = backend.release(key, value)
         except LockBackendError as exc:
             logger.debug("taking back lock %s: %s; trying again later", key, exc)
             return False

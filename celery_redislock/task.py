@@ -138,6 +138,10 @@ class SingletonTaskMixin(_TaskBase):
             ``lock_min_replicas_timeout`` seconds, release it and treat the
             acquisition as a lock-store error (``lock_on_backend_error``).
         lock_min_replicas_timeout: Longest wait for the replicas (default 1 s).
+        lock_limit: At most this many executions per key at once (default
+            1: a singleton). Each holder has a slot of its own, a lock
+            with every property of the single one; see the README's
+            "At most N per key".
     """
 
     lock_args: Sequence[str] | None = None
@@ -156,6 +160,7 @@ class SingletonTaskMixin(_TaskBase):
     lock_on_lost: str | None = None
     lock_min_replicas: int | None = None
     lock_min_replicas_timeout: float | None = None
+    lock_limit: int | None = None
 
     #: The worker's request class; it adds the parent-side release.
     Request = "celery_redislock.request:SingletonRequest"

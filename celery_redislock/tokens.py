@@ -73,6 +73,15 @@ class LockOwner:
         """Return the owner for code running in this process now."""
         return cls(task_id or "", attempt, hostname or socket.gethostname(), os.getpid())
 
+    @staticmethod
+    def task_prefix(task_id: str | None) -> str:
+        """Return the value prefix of every value naming ``task_id`` ('' for no task id).
+
+        Every attempt, delivery and process of one task shares it; the
+        ``lock_limit`` acquire uses it to keep one task out of two slots.
+        """
+        return _SEPARATOR.join([_VERSION, _text(task_id)]) + _SEPARATOR if task_id else ""
+
     def prefix(self) -> str:
         """Return the value prefix shared by every acquisition of this owner.
 

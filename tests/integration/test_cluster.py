@@ -13,9 +13,9 @@ from redis.cluster import RedisCluster
 
 from celery_redislock import RedisLock, SingletonTask, is_skipped
 from celery_redislock.admin import LockInventory
-from celery_redislock.keys import fence_key
+from celery_redislock.keys import fence_key, slot_keys
 from celery_redislock.settings import forget_app_settings
-from celery_redislock.store import LockStore, RenewOutcome
+from celery_redislock.store import LockStore, ReleaseOutcome, RenewOutcome
 from tests.servers import RedisClusterServers, wait_until
 
 pytestmark = pytest.mark.slow
@@ -137,3 +137,22 @@ def test_a_waiter_is_woken_by_the_release_over_cluster_pubsub(client: RedisClust
         timer.join()
         waiter.release()
     assert 0.4 <= waited < 5.0, waited  # the release woke it, long before the 30 s TTL
+
+
+def test_lock_limit_slots_share_one_hash_slot_and_work_on_a_cluster(
+    cluster: RedisClusterServers, client: RedisCluster
+) -> None:
+    store = LockStore(cluster.url)
+    key = "redislock:proj.export:{tenant-7}"
+    slots = slot_keys(key, 3)
+    assert len({client.keyslot(k) for k in [*slots, fence_key(key)]}) == 1
+    values = [f"v1|t{i}|0|h|{i}|n|proj.export|0" for i in range(4)]
+    taken = [store.acquire_slot(key, 3, value, 30000) for value in values]
+    assert [t.key for t in taken[:3]] == slots and not taken[3].acquired
+    fences = [t.fence for t in taken[:3]]
+    assert fences == sorted(fences) and len(set(fences)) == 3
+    renewed = store.renew_many([(k, v, 60000) for k, v in zip(slots, values, strict=False)])
+    assert renewed == [RenewOutcome.RENEWED] * 3
+    assert store.release_slot_of(key, 3, "v1|t1|0|h|1|", "prefix") is ReleaseOutcome.RELEASED
+    assert client.exists(slots[1]) == 0 and client.exists(slots[0], slots[2]) == 2
+    store.close()

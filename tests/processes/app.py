@@ -67,6 +67,14 @@ def hold(self: Any, name: str, seconds: float) -> str:
     return self.request.id
 
 
+@app.task(base=SingletonTask, bind=True, lock_args=("name",), lock_limit=3)
+def hold_limited(self: Any, name: str, seconds: float) -> str:
+    """``hold`` with three slots per key (``lock_limit=3``); records its slot key too."""
+    record().hset(f"started:{self.request.id}", mapping={"pid": os.getpid(), "key": self.lock.key})
+    time.sleep(seconds)
+    return self.request.id
+
+
 @app.task(base=SingletonTask, bind=True, lock_args=("name",), time_limit=1.5)
 def hard_limited(self: Any, name: str) -> None:
     record().hset(f"started:{self.request.id}", mapping={"pid": os.getpid(), "key": self.lock.key})

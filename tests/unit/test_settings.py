@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from celery_redislock import ConfigurationError, Retry, SingletonTask, Wait
+from celery_redislock import ConfigurationError, HandOff, Retry, SingletonTask, Wait
 from celery_redislock.settings import (
     DEFAULTS,
     SETTINGS,
@@ -76,6 +76,9 @@ def test_broker_fallback_only_for_redis_brokers(caplog: pytest.LogCaptureFixture
         ("redislock_store_class", "no_such_module:Store", "cannot be imported"),
         ("redislock_store_class", "collections:OrderedDict", "subclass of LockStore"),
         ("redislock_store_class", dict, "subclass of LockStore"),
+        ("redislock_limit", 0, "positive int"),
+        ("redislock_limit", "3", "positive int"),
+        ("redislock_limit", True, "positive int"),
     ],
 )
 def test_bad_settings_name_the_problem(setting: str, value: Any, message: str) -> None:
@@ -92,6 +95,9 @@ def test_bad_settings_name_the_problem(setting: str, value: Any, message: str) -
         ("lock_on_contention", "sometimes", "lock_on_contention must be one of"),
         ("lock_on_backend_error", "maybe", "lock_on_backend_error must be 'fail' or 'run'"),
         ("lock_key", "not-callable", "lock_key must be callable"),
+        ("lock_limit", 0, "lock_limit must be a positive int"),
+        ("lock_limit", 2.5, "lock_limit must be a positive int"),
+        ("lock_limit", "3", "lock_limit must be a positive int"),
     ],
 )
 def test_bad_task_options_fail_at_registration(option: str, value: Any, message: str) -> None:
@@ -309,3 +315,24 @@ def test_both_spellings_celery_reads_under_a_namespace_are_accepted() -> None:
     validate_app_settings(app.conf)
     settings = app_settings(app)
     assert (settings.ttl, settings.on_contention.name) == (12.0, "raise")
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"lock_on_contention": "handoff"}, "HandOff"),
+        ({"lock_on_contention": Wait(then=HandOff())}, "HandOff"),
+        ({"lock_debounce": 1}, "lock_debounce"),
+        ({"lock_enqueue": "until_start"}, "lock_enqueue"),
+    ],
+)
+def test_lock_limit_with_hand_off_coalescing_or_debounce_is_refused(
+    options: dict[str, Any], named: str
+) -> None:
+    app = new_app(redislock_url="redis://h:1/0")
+    with pytest.raises(ConfigurationError, match=f"lock_limit=3 cannot be combined with.*{named}"):
+
+        @app.task(base=SingletonTask, shared=False, lock_limit=3, **options)
+        def task(x: int) -> None: ...
+
+        task.name  # noqa: B018

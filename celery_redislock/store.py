@@ -61,6 +61,8 @@ __all__ = [
     "LockStore",
     "ReleaseOutcome",
     "RenewOutcome",
+    "backend_error",
+    "decode_text",
 ]
 
 # The logger keeps the name the README documents (the module was backend.py).
@@ -123,7 +125,30 @@ class AcquireResult:
         return decoded.owner.task_id
 
 
-def _text(value: Any, encoding: str) -> str:
+def backend_error(exc: RedisError, operation: str, key: str, where: str) -> LockBackendError:
+    """The :class:`LockBackendError` for a redis-py error during ``operation`` on ``key``.
+
+    A refusal (ACL, unknown command) names the commands the lock needs.
+    """
+    if isinstance(exc, ResponseError):
+        detail = str(exc)
+        lowered = detail.lower()
+        refused = ("noperm", "no permissions", "unknown command", "can't run this command")
+        if any(marker in lowered for marker in refused):
+            detail += (
+                " (the lock store must allow EVAL/EVALSHA, GET, SET, PEXPIRE, PTTL, DEL, "
+                "TIME and PUBLISH on the lock keys for this user, and SUBSCRIBE for the "
+                "wait policy; see the README's ACL section)"
+            )
+        return LockBackendError(f"Redis at {where} refused to {operation} lock {key!r}: {detail}")
+    return LockBackendError(
+        f"cannot {operation} lock {key!r}: Redis at {where} is unavailable "
+        f"({type(exc).__name__}: {exc})"
+    )
+
+
+def decode_text(value: Any, encoding: str) -> str:
+    """A reply (bytes or str) as text."""
     if isinstance(value, bytes):
         return value.decode(encoding, "replace")
     return str(value)
@@ -309,24 +334,8 @@ class LockStore:
     def _errors(self, operation: str, key: str) -> Iterator[None]:
         try:
             yield
-        except ResponseError as exc:
-            detail = str(exc)
-            lowered = detail.lower()
-            refused = ("noperm", "no permissions", "unknown command", "can't run this command")
-            if any(marker in lowered for marker in refused):
-                detail += (
-                    " (the lock store must allow EVAL/EVALSHA, GET, SET, PEXPIRE, PTTL, DEL, "
-                    "TIME and PUBLISH on the lock keys for this user, and SUBSCRIBE for the "
-                    "wait policy; see the README's ACL section)"
-                )
-            raise LockBackendError(
-                f"Redis at {self.describe()} refused to {operation} lock {key!r}: {detail}"
-            ) from exc
         except RedisError as exc:
-            raise LockBackendError(
-                f"cannot {operation} lock {key!r}: Redis at {self.describe()} is unavailable "
-                f"({type(exc).__name__}: {exc})"
-            ) from exc
+            raise backend_error(exc, operation, key, self.describe()) from exc
 
     # -- operations ------------------------------------------------------
 
@@ -377,7 +386,7 @@ class LockStore:
         pttl = int(reply[2])
         return AcquireResult(
             False,
-            _text(reply[1], self._topology(_Kind.COMMANDS).endpoint_for(key).encoding),
+            decode_text(reply[1], self._topology(_Kind.COMMANDS).endpoint_for(key).encoding),
             pttl / 1000.0 if pttl >= 0 else None,
             sent_at=sent_at,
         )
@@ -530,7 +539,7 @@ class LockStore:
                 for position, index in enumerate(indices):
                     value, pttl, fence = replies[position * 3 : position * 3 + 3]
                     out[index] = (
-                        None if value is None else _text(value, endpoint.encoding),
+                        None if value is None else decode_text(value, endpoint.encoding),
                         pttl / 1000.0 if value is not None and pttl >= 0 else None,
                         int(fence) if fence is not None else None,
                     )
@@ -547,7 +556,7 @@ class LockStore:
                 cursor = b"0"
                 while True:
                     cursor, found = endpoint.call("SCAN", cursor, "MATCH", match, "COUNT", batch)
-                    keys = [_text(key, endpoint.encoding) for key in found]
+                    keys = [decode_text(key, endpoint.encoding) for key in found]
                     keys = [key for key in keys if not key.endswith(":fence")]
                     if keys:
                         yield keys

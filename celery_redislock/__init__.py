@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from celery_redislock.aiolock import AsyncRedisLock
 from celery_redislock.exceptions import (
     AlreadyQueued,
     ConfigurationError,
@@ -38,6 +39,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AlreadyQueued",
+    "AsyncRedisLock",
     "ConfigurationError",
     "Contention",
     "ContentionPolicy",

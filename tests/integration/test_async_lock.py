@@ -301,7 +301,7 @@ def test_bad_use_is_refused_early(server: RedisServer) -> None:
             lock(lambda: None)
         with pytest.raises(ConfigurationError, match="non-empty str"):
             AsyncRedisLock(client, "")
-        with pytest.raises(ConfigurationError, match="redis.asyncio.Redis"):
+        with pytest.raises(ConfigurationError, match=r"redis\.asyncio\.Redis"):
             AsyncRedisLock(redis.Redis(port=server.port), "a:sync-client")  # type: ignore[arg-type]
 
     run(server, body)

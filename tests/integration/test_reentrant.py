@@ -12,6 +12,7 @@ import redis
 from celery_redislock import LockNotOwned, RedisLock, ReleaseOutcome, lock_acquired, lock_lost
 from celery_redislock.renewer import renewer
 from celery_redislock.scripts import RELEASE_SCRIPT
+from celery_redislock.store import LockStore
 from celery_redislock.tokens import LockOwner, LockValue
 from tests.servers import wait_until
 
@@ -161,12 +162,36 @@ def test_a_stale_owners_release_is_refused_by_the_script(lock_client: redis.Redi
         stale.extend()
 
 
-def test_an_interrupted_with_exit_counts_one_release_only(lock_client: redis.Redis) -> None:
+def test_a_failing_body_releases_every_level(lock_client: redis.Redis) -> None:
     lock = RedisLock(lock_client, "re:exit", ttl=5, reentrant=True)
-    with pytest.raises(KeyError), lock:
-        with lock:
-            raise KeyError("body failed")
+    with pytest.raises(KeyError), lock, lock:
+        raise KeyError("body failed")
     assert lock.depth == 0 and lock_client.exists("re:exit") == 0
+
+
+def test_an_interrupted_last_release_is_sent_again_and_counted_once(
+    lock_client: redis.Redis,
+) -> None:
+    class InterruptedOnce(LockStore):
+        interrupted = False
+
+        def do_release(self, *args: Any) -> int:
+            reply = super().do_release(*args)
+            if not InterruptedOnce.interrupted:
+                InterruptedOnce.interrupted = True
+                raise KeyboardInterrupt  # after Redis released it, before we saw the reply
+            return reply
+
+    store = InterruptedOnce(client=lock_client)
+    lock = RedisLock(lock_client, "re:interrupted", ttl=5, store=store, reentrant=True)
+    other = RedisLock(lock_client, "re:interrupted", ttl=5, store=store, reentrant=True)
+    with pytest.raises(KeyboardInterrupt), lock, lock:
+        assert other.acquire()
+        other.release()
+    assert InterruptedOnce.interrupted
+    assert lock.depth == 0 and lock_client.exists("re:interrupted") == 0
+    with pytest.raises(LockNotOwned):
+        lock.release()  # exactly three acquires, three releases counted
 
 
 def test_a_forked_child_does_not_inherit_the_threads_hold(lock_client: redis.Redis) -> None:

@@ -276,6 +276,8 @@ class AsyncRenewer:
     def unregister(self, handle: AsyncLockHandle) -> None:
         """Stop renewing ``handle``; a reply in flight for it is ignored."""
         self._handles.pop(id(handle), None)
+        if not self._handles and self._wake is not None:
+            self._wake.set()  # nothing left: let the task end now, not at its next tick
 
     async def _run(self) -> None:
         wake = self._wake

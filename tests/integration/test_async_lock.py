@@ -68,7 +68,7 @@ def test_async_with_acquires_renews_nothing_short_and_releases(
             # Same key and value format as the sync lock: they exclude each other.
             assert RedisLock(lock_client, "a:cm").acquire(blocking=False) is False
         assert lock_client.exists("a:cm") == 0 and not lock.owned
-        assert not async_renewer().alive  # nothing held: no task left on the loop
+        await until(lambda: not async_renewer().alive, what="no task left on the loop")
 
     run(server, body)
 
@@ -323,3 +323,35 @@ def test_sync_and_async_locks_of_one_name_exclude_each_other(
 
     assert run(server, body)
     released.join()
+
+
+def test_a_cancelled_release_is_sent_again_before_the_cancellation_propagates(
+    server: RedisServer, lock_client: redis.Redis
+) -> None:
+    class SlowFirstRelease(AsyncLockStore):
+        entered: asyncio.Event
+        calls = 0
+
+        async def do_release(self, key: str, value: str) -> int:
+            SlowFirstRelease.calls += 1
+            if SlowFirstRelease.calls == 1:
+                self.entered.set()
+                await asyncio.Event().wait()  # cancelled here, before anything is sent
+            return await super().do_release(key, value)
+
+    async def body(client: redis.asyncio.Redis) -> None:
+        store = SlowFirstRelease(client)
+        store.entered = asyncio.Event()
+        lock = AsyncRedisLock(client, "a:release-cancel", ttl=30, store=store)
+        assert await lock.acquire()
+        releasing = asyncio.create_task(lock.release())
+        await store.entered.wait()
+        releasing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await releasing
+        assert SlowFirstRelease.calls == 2
+        assert lock_client.exists("a:release-cancel") == 0
+        await until(lambda: not async_renewer().alive, what="the renewer task to end")
+        await store.aclose()
+
+    run(server, body)

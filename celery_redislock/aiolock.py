@@ -25,6 +25,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import os
 import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
@@ -106,6 +107,7 @@ class AsyncLockHandle:
         self._renewer: AsyncRenewer | None = None
         self._release_done = False
         self._release_sent = False
+        self._pid = os.getpid()
         self._on_lost: list[Callable[[Any], None]] = []
 
     def __repr__(self) -> str:
@@ -202,6 +204,14 @@ class AsyncLockHandle:
         """
         if self._release_done:
             return None
+        if self._pid != os.getpid():
+            logger.warning(
+                "not releasing lock %s from pid %d: it was acquired by pid %d",
+                self.key,
+                os.getpid(),
+                self._pid,
+            )
+            return None
         self.released = True
         self._stop_renewal()
         resent, self._release_sent = self._release_sent, True
@@ -246,6 +256,7 @@ class AsyncRenewer:
     """
 
     def __init__(self) -> None:
+        self._pid = os.getpid()
         self._handles: dict[int, AsyncLockHandle] = {}
         self._task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
@@ -264,6 +275,7 @@ class AsyncRenewer:
 
     def register(self, handle: AsyncLockHandle) -> None:
         """Start keeping ``handle`` alive (starts the task if needed)."""
+        self._forget_parents_locks()
         self._handles[id(handle)] = handle
         if not self.alive:
             self._wake = asyncio.Event()
@@ -299,7 +311,14 @@ class AsyncRenewer:
             # can register in the gap.
             self._task = self._wake = None
 
+    def _forget_parents_locks(self) -> None:
+        # A child forked while the loop ran goes on running it: it must
+        # never renew its parent's locks.
+        if self._pid != os.getpid():
+            self._handles, self._pid = {}, os.getpid()
+
     async def _tick(self) -> float:
+        self._forget_parents_locks()
         now = clock()
         due = [h for h in self._handles.values() if h.renew_at - h.renew_period / 2 <= now]
         groups: dict[AsyncLockStore, list[AsyncLockHandle]] = {}

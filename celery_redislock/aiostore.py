@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import os
 import threading
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -96,8 +97,12 @@ class AsyncEndpoint:
         self.encoding = encoding
         self._idle: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, collections.deque[Any]]
         self._idle = weakref.WeakKeyDictionary()
+        self._pid = os.getpid()
 
     def _idle_set(self) -> collections.deque[Any]:
+        if self._pid != os.getpid():
+            # A forked child: the parent's sockets are left to the parent.
+            self._idle, self._pid = weakref.WeakKeyDictionary(), os.getpid()
         loop = asyncio.get_running_loop()
         idle = self._idle.get(loop)
         if idle is None:

@@ -355,3 +355,38 @@ def test_a_cancelled_release_is_sent_again_before_the_cancellation_propagates(
         await store.aclose()
 
     run(server, body)
+
+
+def test_a_child_forked_inside_the_loop_never_renews_or_releases_the_parents_lock(
+    server: RedisServer, lock_client: redis.Redis
+) -> None:
+    """The child must not run the inherited loop (its epoll is the parent's), so it
+    drives the release coroutine by hand: refused before any await."""
+    import os
+
+    async def body(client: redis.asyncio.Redis) -> None:
+        lock = AsyncRedisLock(client, "a:fork", ttl=0.6)
+        assert await lock.acquire()
+        value = lock_client.get("a:fork")
+        renewer = async_renewer()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - runs in the child
+            code = 1
+            try:
+                release = lock.release()
+                try:
+                    release.send(None)
+                except StopIteration as done:
+                    refused = done.value is None
+                renewer._forget_parents_locks()
+                code = 0 if refused and renewer.held == 0 else 2
+            finally:
+                os._exit(code)
+        _, status = await asyncio.to_thread(os.waitpid, pid, 0)
+        assert os.WEXITSTATUS(status) == 0
+        trips = renewer.round_trips
+        await until(lambda: renewer.round_trips >= trips + 2, what="the parent to renew")
+        assert lock_client.get("a:fork") == value and lock.owned
+        assert await lock.release() is ReleaseOutcome.RELEASED
+
+    run(server, body)

@@ -40,7 +40,14 @@ _TASKS: weakref.WeakKeyDictionary[asyncio.Task[Any], object] = weakref.WeakKeyDi
 
 
 def thread_owner() -> object:
-    """The owner token of the calling thread (unlike a thread id, never reused)."""
+    """The owner token of the calling thread (unlike a thread id, never reused).
+
+    Inside a running asyncio task it is that task's token instead: every
+    coroutine of an event loop runs on one thread, and a sync lock held
+    across an ``await`` must not let another task of the loop in.
+    """
+    if asyncio._get_running_loop() is not None and asyncio.current_task() is not None:
+        return task_owner()
     return _THREAD.token
 
 

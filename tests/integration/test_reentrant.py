@@ -211,3 +211,26 @@ def test_a_forked_child_does_not_inherit_the_threads_hold(lock_client: redis.Red
         assert os.WEXITSTATUS(status) == 0
         assert lock.depth == 1 and lock_client.get("re:fork") == value
     assert lock_client.exists("re:fork") == 0
+
+
+def test_inside_asyncio_tasks_the_owner_is_the_task_not_the_loops_thread(
+    lock_client: redis.Redis,
+) -> None:
+    """Two coroutines share the loop's thread; a sync reentrant lock held across an
+    await by one must not let the other in."""
+    import asyncio
+
+    lock = RedisLock(lock_client, "re:tasks", ttl=5, reentrant=True)
+
+    async def main() -> tuple[bool, bool]:
+        assert lock.acquire() and lock.acquire()  # reentrant within this task
+
+        async def other() -> bool:
+            return lock.acquire(blocking=False)
+
+        other_got = await asyncio.create_task(other())
+        lock.release()
+        lock.release()
+        return other_got, lock_client.exists("re:tasks") == 0
+
+    assert asyncio.run(main()) == (False, True)

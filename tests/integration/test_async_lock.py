@@ -18,6 +18,7 @@ import redis.asyncio
 from celery_redislock import (
     AsyncRedisLock,
     ConfigurationError,
+    LockBackendError,
     LockContended,
     LockNotOwned,
     RedisLock,
@@ -388,5 +389,33 @@ def test_a_child_forked_inside_the_loop_never_renews_or_releases_the_parents_loc
         await until(lambda: renewer.round_trips >= trips + 2, what="the parent to renew")
         assert lock_client.get("a:fork") == value and lock.owned
         assert await lock.release() is ReleaseOutcome.RELEASED
+
+    run(server, body)
+
+
+def test_an_acquire_that_timed_out_is_taken_over_by_the_next_acquire(
+    server: RedisServer, lock_client: redis.Redis
+) -> None:
+    async def body(_: redis.asyncio.Redis) -> None:
+        client = redis.asyncio.Redis(port=server.port, db=LOCK_DB, socket_timeout=0.2)
+        try:
+            async with AsyncRedisLock(client, "a:warm-timeout"):
+                pass
+            busy = server_busy(server, 1.0)
+            await asyncio.to_thread(busy.__enter__)
+            try:
+                with pytest.raises(LockBackendError, match="unavailable"):
+                    await AsyncRedisLock(client, "a:timeout").acquire(blocking=False)
+            finally:
+                await asyncio.to_thread(busy.__exit__, None, None, None)
+            # Its script ran late (or was taken back meanwhile): either way the
+            # next acquire in this process gets the lock at once.
+            lock = AsyncRedisLock(client, "a:timeout", ttl=30)
+            assert await lock.acquire(blocking=False)
+            assert await lock.release() is ReleaseOutcome.RELEASED
+            await until(lambda: not lock_client.exists("a:timeout"))
+        finally:
+            await AsyncLockStore.for_client(client).aclose()
+            await client.aclose()
 
     run(server, body)

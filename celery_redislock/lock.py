@@ -183,6 +183,9 @@ class RedisLock:
     def acquire(self, blocking: bool | None = None, timeout: float | None = None) -> bool:
         """Take the lock.
 
+        A reentrant lock already held by the calling thread is taken again at
+        once: one round trip confirms it is still ours and extends it.
+
         Args:
             blocking: Wait for the holder to release (woken by its release
                 notification, not by polling). Defaults to the constructor's.
@@ -191,9 +194,6 @@ class RedisLock:
 
         Returns:
             True if acquired, False if not (non-blocking, or timed out).
-
-        A reentrant lock already held by the calling thread is taken again at
-        once: one round trip confirms it is still ours and extends it.
 
         Raises:
             LockBackendError: Redis is unreachable.

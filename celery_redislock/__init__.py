@@ -18,6 +18,7 @@ from celery_redislock.lock import RedisLock
 from celery_redislock.policies import (
     Contention,
     ContentionPolicy,
+    HandOff,
     Raise,
     Retry,
     Skip,
@@ -43,6 +44,7 @@ __all__ = [
     "ConfigurationError",
     "Contention",
     "ContentionPolicy",
+    "HandOff",
     "LockBackendError",
     "LockContended",
     "LockHandle",

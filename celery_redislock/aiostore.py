@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import logging
 import os
 import threading
 import weakref
@@ -39,7 +40,7 @@ from redis.exceptions import ConnectionError, NoScriptError, RedisError, Respons
 from celery_redislock import scripts
 from celery_redislock._clock import clock
 from celery_redislock.exceptions import ConfigurationError
-from celery_redislock.keys import fence_key, release_channel
+from celery_redislock.keys import fence_key, handoff_keys, release_channel
 from celery_redislock.store import (
     RENEW_CHUNK_SIZE,
     AcquireResult,
@@ -53,6 +54,12 @@ from celery_redislock.transport import Script, connection_settings, pack_command
 __all__ = ["AsyncEndpoint", "AsyncLockStore", "AsyncSubscription"]
 
 T = TypeVar("T")
+
+# The sync store's logger (the module was backend.py): the same events, one name.
+logger = logging.getLogger("celery_redislock.backend")
+
+#: How long a key handed to a parked execution is held for it (as LockStore's).
+HANDOFF_TTL_MS = 30_000
 
 #: An exchange: send on a connection, read every reply, return the result.
 Exchange = Callable[[Any], Awaitable[T]]
@@ -464,10 +471,17 @@ class AsyncLockStore:
         """Run ``RELEASE_SCRIPT`` (exact value, delete); return its reply (1, 0 or -1).
 
         If the first attempt's reply was lost, the retry's "already gone"
-        means it worked: reported as 1.
+        means it worked: reported as 1. If the release handed the key to a
+        task execution parked on it (a task's ``HandOff`` policy on the same
+        key name), this store cannot publish its message: the parked
+        execution's re-sent copy runs at its countdown (as with a sync
+        store that has no publisher); reported as 1.
         """
-        args = (value, "exact", release_channel(key), "", 1)
-        run_script = script_exchange(scripts.RELEASE, (key,), args, self.releases.encoding)
+        args = (value, "exact", release_channel(key), "", 1, HANDOFF_TTL_MS)
+        waiters, parked, _ = handoff_keys(key)
+        run_script = script_exchange(
+            scripts.RELEASE, (key, waiters, parked), args, self.releases.encoding
+        )
         attempts = 0
 
         async def counted(connection: Any) -> Any:
@@ -475,8 +489,15 @@ class AsyncLockStore:
             attempts += 1
             return await run_script(connection)
 
-        reply = int(await self.releases.run(counted))
-        return 1 if attempts > 1 and reply == 0 else reply
+        reply = await self.releases.run(counted)
+        if isinstance(reply, list):
+            logger.warning(
+                "lock %s was handed to a parked execution, but this process cannot publish "
+                "its message; its re-sent copy runs when its countdown ends",
+                key,
+            )
+            return 1
+        return 1 if attempts > 1 and int(reply) == 0 else int(reply)
 
     async def do_extend(self, key: str, value: str, ttl_ms: int) -> int:
         """Run ``RENEW_SCRIPT`` for one key; return its status (1, 0 or -1)."""

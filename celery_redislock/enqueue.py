@@ -10,6 +10,7 @@ when the lock store fails, the task is published without its enqueue lock.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -18,7 +19,13 @@ from celery.utils import uuid
 
 from celery_redislock import signals
 from celery_redislock.exceptions import AlreadyQueued, LockBackendError
-from celery_redislock.headers import QUEUED_TOKEN_HEADER, UNSETTLED_HEADER, seconds_until
+from celery_redislock.headers import (
+    DEBOUNCE_HEADER,
+    QUEUED_TOKEN_HEADER,
+    UNSETTLED_HEADER,
+    seconds_until,
+)
+from celery_redislock.keys import queued_key
 from celery_redislock.store import AcquireResult
 from celery_redislock.takeback import take_back_value
 from celery_redislock.tokens import LockValue
@@ -48,7 +55,8 @@ def publish_once(
 ) -> Any:
     """Publish ``task`` with ``publish`` (Celery's ``apply_async``), with ``lock_enqueue`` once.
 
-    With ``lock_enqueue`` on, it publishes only if the key is free.
+    With ``lock_enqueue`` on, it publishes only if the key is free (with
+    ``"until_start"``, only if no run of the key is queued and not started).
 
     Re-sends of an existing task id (``self.retry()``, a lock retry,
     Celery's ``retry_on_worker_lost``: they carry ``retries``), canvas
@@ -57,7 +65,7 @@ def publish_once(
     """
     settings = task._lock_settings()
     if (
-        not (settings.enabled and settings.enqueue)
+        not (settings.enabled and (settings.enqueue or settings.debounce))
         or task.app.conf.task_always_eager
         or options.get("retries") is not None
         or any(options.get(name) for name in _BYPASS_OPTIONS)
@@ -66,6 +74,13 @@ def publish_once(
     args, kwargs = tuple(args or ()), dict(kwargs or {})
     received = task._as_received(args, kwargs, options.get("serializer") or task.serializer)
     key = task._key(settings, *received)
+    if settings.debounce:
+        return _publish_debounced(task, settings, publish, key, args, kwargs, options)
+    if settings.coalesce:
+        # Held only until the run starts: the worker frees this key in the
+        # round trip that grants it the lock, so a later call publishes the
+        # next run instead of joining one that may have read stale data.
+        key = queued_key(key)
     task_id = options.pop("task_id", None) or uuid()
     token = LockValue.queued(task_id, task.name).encode()
     ttl = settings.enqueue_ttl + seconds_until(options.get("eta") or options.get("countdown"))
@@ -97,6 +112,66 @@ def publish_once(
         return publish(args, kwargs, task_id=task_id, headers=headers, **options)
     except BaseException:
         take_back_value(settings.backend, key, token)  # nothing was queued: free the key
+        raise
+
+
+def _publish_debounced(
+    task: SingletonTaskMixin,
+    settings: TaskSettings,
+    publish: Publish,
+    key: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    options: dict[str, Any],
+) -> Any:
+    """Trailing debounce: the first call of a burst publishes the run, later calls move it.
+
+    The run is published with a countdown of one window; each later call of
+    the burst pushes its due time to a window after itself (at most
+    ``debounce_max_wait`` after the burst's first call) and gets the run's
+    ``AsyncResult``. The worker re-sends the run while its due time is
+    still ahead (see ``Execution``). A call after the run started begins a
+    new burst, so the last call is always followed by a run.
+    """
+    task_id = options.pop("task_id", None) or uuid()
+    try:
+        new, burst_id, due = settings.backend.debounce(
+            key,
+            task_id,
+            max(int(settings.debounce * 1000), 1),
+            max(int(settings.debounce_max_wait * 1000), 1),
+        )
+    except LockBackendError as exc:
+        # Never drop the call: publish it undebounced (the run-time lock
+        # still keeps runs apart).
+        logger.warning("publishing %s[%s] without its debounce: %s", task.name, task_id, exc)
+        return publish(args, kwargs, task_id=task_id, **options)
+    except BaseException:
+        # Interrupted: the record may name a run never published.
+        with contextlib.suppress(Exception):
+            settings.backend.debounce_due(key, task_id, forget=True)
+        raise
+    if not new:
+        logger.debug("%s[%s] joins the debounced run %s of %s", task.name, task_id, burst_id, key)
+        signals.lock_contended.send(
+            sender=task,
+            key=key,
+            task_name=task.name,
+            task_id=task_id,
+            holder_task_id=burst_id,
+            ttl_remaining=due,
+            policy="debounced",
+        )
+        return task.AsyncResult(burst_id)
+    headers = {**(options.pop("headers", None) or {}), DEBOUNCE_HEADER: True}
+    countdown = max(due, seconds_until(options.pop("eta", None) or options.pop("countdown", None)))
+    try:
+        return publish(
+            args, kwargs, task_id=task_id, headers=headers, countdown=countdown, **options
+        )
+    except BaseException:
+        with contextlib.suppress(Exception):
+            settings.backend.debounce_due(key, task_id, forget=True)  # nothing was queued
         raise
 
 

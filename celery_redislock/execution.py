@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, cast
 
@@ -21,11 +22,16 @@ from celery.exceptions import Retry as CeleryRetry
 from celery_redislock import signals
 from celery_redislock._clock import clock
 from celery_redislock.abort import interrupter_for_current_thread
-from celery_redislock.exceptions import LockBackendError, LockKeyError
+from celery_redislock.exceptions import LockBackendError, LockContended, LockKeyError
+from celery_redislock.handoff import pack_message
 from celery_redislock.headers import (
     BACKEND_RETRIES_HEADER,
+    DEBOUNCE_HEADER,
+    HANDOFF_COPY_HEADER,
+    HANDOFF_HEADER,
     LOCK_RETRIES_HEADER,
     MAX_UNSETTLED,
+    PARKED_SINCE_HEADER,
     REDELIVERED_HEADER,
     UNSETTLED_HEADER,
     own_values,
@@ -33,17 +39,20 @@ from celery_redislock.headers import (
     redelivered,
     seconds_until,
 )
+from celery_redislock.keys import queued_key
 from celery_redislock.lease import LockHandle
 from celery_redislock.policies import (
     LOCK_ACQUIRED,
     Contention,
+    ContentionPolicy,
+    HandOff,
     RetryInsteadOfSkip,
     RetryWhileOwnDeliveryHolds,
     backend_error_countdown,
 )
 from celery_redislock.store import AcquireResult
 from celery_redislock.takeback import take_back_value
-from celery_redislock.tokens import LockOwner, LockValue
+from celery_redislock.tokens import LockOwner, LockValue, new_nonce
 
 if TYPE_CHECKING:
     from celery_redislock.settings import TaskSettings
@@ -53,8 +62,10 @@ __all__ = [
     "CONTENTION_EVENT",
     "Decision",
     "Execution",
+    "handoff_policy",
     "on_backend_error",
     "resend",
+    "resend_headers",
     "send_contention_event",
 ]
 
@@ -66,6 +77,30 @@ CONTENTION_EVENT = "task-redislock-contended"
 
 #: Longest wait for the lock still held by this task's own previous attempt.
 _OWN_RETRY_WAIT = 10.0
+
+
+class _SecondCopy(Exception):
+    """Another copy of this parked execution was already granted the lock."""
+
+
+def _header(request: Any, name: str) -> Any:
+    # Celery flattens custom headers into request attributes in a worker;
+    # eager apply() keeps them in ``headers`` only.
+    return (request.headers or {}).get(name) or getattr(request, name, None)
+
+
+def handoff_policy(policy: ContentionPolicy) -> ContentionPolicy:
+    """The policy of a run that must run after the holder, never instead of it.
+
+    A coalesced run, a debounced run, and every copy of a parked execution:
+    the ``HandOff`` found in ``policy``'s composition, else an unbounded one.
+    """
+    seen: ContentionPolicy | None = policy
+    while seen is not None:
+        if isinstance(seen, HandOff):
+            return seen
+        seen = getattr(seen, "then", None)
+    return HandOff(max_wait=None)
 
 
 class Decision:
@@ -108,10 +143,24 @@ class Execution:
         self.value = LockValue.new(owner, task.name).encode()
         headers = request.headers or {}
         self.queued_token = queued_token(request)
+        handoff = own_values(request, [_header(request, HANDOFF_HEADER)])
+        #: This execution's hand-off value, if it is a copy of a parked one.
+        self.handoff: str | None = handoff[0] if handoff else None
+        self.copy_tag = str(_header(request, HANDOFF_COPY_HEADER) or f"o:{new_nonce()}")
+        #: A coalesced run's queued key and value, freed when it is granted.
+        self.queued_slot: tuple[str, str] | None = None
+        if settings.coalesce and self.queued_token:
+            self.queued_slot = (queued_key(self.key), self.queued_token)
         self.adopt = [
-            *([self.queued_token] if self.queued_token else []),
+            *([self.queued_token] if self.queued_token and not self.queued_slot else []),
+            *([self.handoff] if self.handoff else []),
             *own_values(request, headers.get(UNSETTLED_HEADER)),
         ]
+        self._granted: list[AcquireResult] = []
+        #: A debounced run: its burst may have moved its due time.
+        self.debounced = bool(
+            settings.debounce and _header(request, DEBOUNCE_HEADER) and not request.is_eager
+        )
         self.handle: LockHandle | None = None
         #: An acquire was sent and its reply not (yet) read.
         self.unsettled = False
@@ -122,7 +171,25 @@ class Execution:
     def _acquire(self, wait: float | None = None) -> AcquireResult:
         settings, backend = self.settings, self.settings.backend
         self.unsettled = True
-        if wait is None:
+        if wait is None and (self.handoff or self.queued_slot):
+            # One round trip that also refuses a second copy of a parked
+            # execution, and frees a coalesced run's queued key when granted.
+            parked = backend.park(
+                self.key,
+                self.value,
+                settings.ttl_ms,
+                self.handoff or "",
+                self.copy_tag,
+                b"",
+                self.park_ttl_ms,
+                self.queued_slot,
+                self.adopt,
+            )
+            if parked.already_ran:
+                self.unsettled = False
+                raise _SecondCopy()
+            result = parked.result
+        elif wait is None:
             result = backend.acquire(
                 self.key,
                 self.value,
@@ -144,15 +211,32 @@ class Execution:
         self.unsettled = result.acquired  # granted: the handle owns it from here
         return result
 
+    @property
+    def park_ttl_ms(self) -> int:
+        """How long a parked execution's queue entries and ran markers live, in ms.
+
+        Refreshed at every park; a ran marker must outlive the other copy of
+        its execution (the woken message or the safety-net re-send).
+        """
+        options = self.task.app.conf.broker_transport_options or {}
+        # An unacked safety-net copy on a Redis or SQS broker comes back after
+        # the visibility timeout when its worker dies: the marker must outlive it.
+        redelivery = float(options.get("visibility_timeout") or 3600)
+        return int((max(self.settings.enqueue_ttl, redelivery) + 2 * self.settings.ttl) * 1000)
+
     def take_lock(self) -> Decision | None:
         """Take the lock; None means "run the body", else the policy's result."""
         task, request, settings = self.task, self.request, self.settings
         started = clock()
         try:
+            if self.debounced:
+                self._wait_for_debounce()
             result = self._acquire()
         except LockBackendError as exc:
             self._on_backend_error(exc)
             return None  # lock_on_backend_error="run": run unprotected
+        except _SecondCopy:
+            self._drop_second_copy()
         if result.acquired:
             self._grant(result, started)
             return None
@@ -184,7 +268,7 @@ class Execution:
                 self.key,
             )
             raise Ignore()
-        granted: list[AcquireResult] = []
+        granted = self._granted
 
         def wait_for_lock(timeout: float) -> bool:
             waited = self._acquire(wait=timeout)
@@ -210,7 +294,8 @@ class Execution:
             return None
 
         headers = dict(request.headers or {})
-        lock_retries = int(headers.get(LOCK_RETRIES_HEADER) or 0)
+        lock_retries = int(_header(request, LOCK_RETRIES_HEADER) or 0)
+        parked_since = _header(request, PARKED_SINCE_HEADER)
         contention = Contention(
             key=self.key,
             task_name=task.name,
@@ -223,11 +308,17 @@ class Execution:
             retry_later=lambda countdown, exc: resend(
                 task, countdown, exc, {LOCK_RETRIES_HEADER: lock_retries + 1}
             ),
+            park=None
+            if request.is_eager
+            else lambda countdown, exc: self._park(countdown, exc, lock_retries, parked_since),
+            parked_for=max(time.time() - float(parked_since), 0.0) if parked_since else 0.0,
         )
         from_beat = bool(
             headers.get("celery_beat_task") or getattr(request, "celery_beat_task", None)
         )
         policy = settings.beat_policy if from_beat else settings.policy
+        if self.handoff or self.queued_slot or self.debounced:
+            policy = handoff_policy(policy)
         if contention.holder_task_id == request.id:
             policy = RetryWhileOwnDeliveryHolds(policy)
         elif contention.redelivered:
@@ -247,10 +338,78 @@ class Execution:
         except LockBackendError as exc:  # the store failed while a policy waited
             self._on_backend_error(exc)
             return None  # lock_on_backend_error="run": run unprotected
+        except _SecondCopy:
+            self._drop_second_copy()
         if decision is LOCK_ACQUIRED:
             self._grant(granted[-1], started)
             return None
         return Decision(decision)
+
+    def _park(self, countdown: float, exc: Exception, lock_retries: int, parked_since: Any) -> Any:
+        """Park behind the holder (see :class:`HandOff`): one round trip, then the safety net.
+
+        Returns :data:`LOCK_ACQUIRED` if the lock was free by then; raises
+        ``Retry`` once parked and re-sent, or :class:`_SecondCopy`.
+        """
+        task, request, settings = self.task, self.request, self.settings
+        handoff = self.handoff or LockValue.queued(request.id or "", task.name).encode()
+        extra = {
+            HANDOFF_HEADER: handoff,
+            PARKED_SINCE_HEADER: parked_since or time.time(),
+            LOCK_RETRIES_HEADER: lock_retries + 1,
+        }
+        message = pack_message(
+            task, resend_headers(request, {**extra, HANDOFF_COPY_HEADER: f"w:{new_nonce()}"})
+        )
+        self.unsettled = True
+        parked = settings.backend.park(
+            self.key,
+            self.value,
+            settings.ttl_ms,
+            handoff,
+            self.copy_tag,
+            message,
+            self.park_ttl_ms,
+            self.queued_slot,
+            [*self.adopt, handoff],
+        )
+        self.unsettled = parked.result.acquired
+        if parked.already_ran:
+            raise _SecondCopy()
+        if parked.result.acquired:
+            self._granted.append(parked.result)
+            return LOCK_ACQUIRED
+        logger.info(
+            "%s[%s] parked behind lock %s; a release hands it over (safety net in %.1fs)",
+            task.name,
+            request.id,
+            self.key,
+            countdown,
+        )
+        return resend(task, countdown, exc, {**extra, HANDOFF_COPY_HEADER: f"f:{new_nonce()}"})
+
+    def _wait_for_debounce(self) -> None:
+        """Re-send this debounced run if a later call of its burst moved its due time."""
+        request = self.request
+        due = self.settings.backend.debounce_due(self.key, request.id or "")
+        if due > 0:
+            logger.info(
+                "%s[%s] debounced: a later call moved its run %.3fs ahead",
+                self.task.name,
+                request.id,
+                due,
+            )
+            resend(self.task, due, LockContended(self.key, None, due), {})
+
+    def _drop_second_copy(self) -> NoReturn:
+        """Drop this copy: another copy of the same parked execution was granted the lock."""
+        logger.info(
+            "%s[%s] dropped: another copy of this parked execution already ran (lock %s)",
+            self.task.name,
+            self.request.id,
+            self.key,
+        )
+        raise Ignore()
 
     def _on_backend_error(self, exc: LockBackendError) -> None:
         """The store failed: re-send with backoff (taking this value over), or run unprotected.
@@ -325,7 +484,7 @@ class Execution:
         may change the arguments, and then the old key is simply released.
         """
         sig = getattr(retry, "sig", None)  # set by Task.retry(); absent on a bare Retry
-        if not (self.settings.enqueue and self.queued_token) or sig is None:
+        if not (self.settings.enqueue and self.queued_token) or self.queued_slot or sig is None:
             return
         task = self.task
         try:
@@ -444,6 +603,15 @@ def on_backend_error(
     )
 
 
+def resend_headers(request: Any, extra: dict[str, Any]) -> dict[str, Any]:
+    """The headers of a re-send of ``request``: its own, with ``extra`` over them."""
+    headers = {**(request.headers or {}), **extra}
+    headers.pop("redelivered", None)  # set by kombu's Redis transport; not ours to copy
+    if redelivered(request):
+        headers[REDELIVERED_HEADER] = True
+    return headers
+
+
 def resend(
     task: SingletonTaskMixin, countdown: float, exc: Exception, headers: dict[str, Any]
 ) -> NoReturn:
@@ -455,10 +623,7 @@ def resend(
     ``apply_async`` publishes it even while the key is held.
     """
     request = task.request
-    headers = {**(request.headers or {}), **headers}
-    headers.pop("redelivered", None)  # set by kombu's Redis transport; not ours to copy
-    if redelivered(request):
-        headers[REDELIVERED_HEADER] = True
+    headers = resend_headers(request, headers)
     signature = task.signature_from_request(
         request, countdown=countdown, retries=request.retries or 0, headers=headers
     )

@@ -23,8 +23,12 @@ from celery_redislock.tokens import LockValue
 
 __all__ = [
     "BACKEND_RETRIES_HEADER",
+    "DEBOUNCE_HEADER",
+    "HANDOFF_COPY_HEADER",
+    "HANDOFF_HEADER",
     "LOCK_RETRIES_HEADER",
     "MAX_UNSETTLED",
+    "PARKED_SINCE_HEADER",
     "QUEUED_TOKEN_HEADER",
     "REDELIVERED_HEADER",
     "UNSETTLED_HEADER",
@@ -50,6 +54,17 @@ MAX_UNSETTLED = 16
 
 #: Message header carrying the value a producer stored at enqueue time.
 QUEUED_TOKEN_HEADER = "redislock_token"
+#: Message header of a parked execution's copies: its hand-off value (the
+#: value a release leaves in the key to hand the lock to it).
+HANDOFF_HEADER = "redislock_handoff"
+#: Message header telling a parked execution's copies apart: the woken copy
+#: and each safety-net re-send carry a tag of their own.
+HANDOFF_COPY_HEADER = "redislock_handoff_copy"
+#: Message header of a debounced run (``lock_debounce``): its burst may
+#: still move its due time, which the worker checks before it runs.
+DEBOUNCE_HEADER = "redislock_debounced"
+#: Message header: Unix time (seconds) the execution first parked.
+PARKED_SINCE_HEADER = "redislock_parked_since"
 
 
 def redelivered(request: Any) -> bool:

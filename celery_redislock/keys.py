@@ -34,12 +34,17 @@ from typing import Any
 from celery_redislock.exceptions import ConfigurationError, LockKeyError
 
 __all__ = [
+    "HANDOFF_SUFFIXES",
     "KEY_FORMAT_VERSION",
+    "NOT_LOCK_SUFFIXES",
     "argument_digest",
     "bind_lock_arguments",
     "canonical_encoding",
     "custom_key",
+    "debounce_key",
     "fence_key",
+    "handoff_keys",
+    "queued_key",
     "release_channel",
     "task_key",
     "validate_lock_args",
@@ -266,16 +271,50 @@ def custom_key(
     return f"{prefix}:{{{value}}}"
 
 
-def fence_key(key: str) -> str:
-    """Return the key of ``key``'s fence counter, in the same Redis Cluster slot.
+def _companion(key: str, suffix: str) -> str:
+    """Return ``key`` + ``suffix`` in the same Redis Cluster slot as ``key``.
 
     A key with a hash tag (``...{tag}...``) keeps it; any other key becomes
-    the tag itself (``{key}:fence``), which Redis hashes exactly as ``key``.
+    the tag itself (``{key}:suffix``), which Redis hashes exactly as ``key``.
     """
     start = key.find("{")
     if start >= 0 and key.find("}", start + 1) > start + 1:
-        return f"{key}:fence"
-    return f"{{{key}}}:fence"
+        return f"{key}:{suffix}"
+    return f"{{{key}}}:{suffix}"
+
+
+def fence_key(key: str) -> str:
+    """Return the key of ``key``'s fence counter, in the same Redis Cluster slot."""
+    return _companion(key, "fence")
+
+
+#: Suffixes of the keys that hold parked executions (see :func:`handoff_keys`).
+HANDOFF_SUFFIXES = ("waiters", "parked", "ran")
+#: Suffixes of every key kept beside a lock that is not a lock itself.
+NOT_LOCK_SUFFIXES = ("fence", "debounce", *HANDOFF_SUFFIXES)
+
+
+def handoff_keys(key: str) -> tuple[str, str, str]:
+    """Return the keys of ``key``'s parked executions, in its Redis Cluster slot.
+
+    * ``waiters``: a list of hand-off values, in the order they parked;
+    * ``parked``: a hash, hand-off value -> the message to publish when the
+      lock is handed to it;
+    * ``ran``: a hash of the hand-off values whose execution was granted the
+      lock, so a second copy of the same parked execution is dropped.
+    """
+    waiters, parked, ran = (_companion(key, suffix) for suffix in HANDOFF_SUFFIXES)
+    return waiters, parked, ran
+
+
+def debounce_key(key: str) -> str:
+    """Return the key of ``key``'s debounce record (``lock_debounce``)."""
+    return _companion(key, "debounce")
+
+
+def queued_key(key: str) -> str:
+    """Return the key that marks "a run of ``key`` is queued and not started" (coalescing)."""
+    return _companion(key, "queued")
 
 
 def release_channel(key: str) -> str:

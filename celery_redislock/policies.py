@@ -31,6 +31,7 @@ __all__ = [
     "SKIPPED_MARKER",
     "Contention",
     "ContentionPolicy",
+    "HandOff",
     "Raise",
     "Retry",
     "RetryInsteadOfSkip",
@@ -88,6 +89,12 @@ class Contention:
             seconds for the lock and returns True once it is ours.
         retry_later: ``retry_later(countdown, exc)`` re-sends the task to run
             again in ``countdown`` seconds and raises Celery's ``Retry``.
+        park: ``park(countdown, exc)`` queues this execution behind the
+            holder, to be handed the lock by its release, and re-sends a
+            copy due in ``countdown`` seconds as a safety net; raises
+            Celery's ``Retry`` (or returns :data:`LOCK_ACQUIRED` if the lock
+            was free by then). ``None`` where parking is impossible (eager).
+        parked_for: Seconds since this execution first parked (0 if never).
     """
 
     key: str
@@ -99,6 +106,8 @@ class Contention:
     lock_retries: int
     wait_for_lock: Callable[[float], bool] = field(repr=False)
     retry_later: Callable[[float, Exception], NoReturn] = field(repr=False)
+    park: Callable[[float, Exception], Any] | None = field(default=None, repr=False)
+    parked_for: float = 0.0
 
     def error(self) -> LockContended:
         """Return the :class:`LockContended` error describing this contention."""
@@ -225,6 +234,55 @@ class Wait(ContentionPolicy):
         return self.then.handle(contention)
 
 
+class HandOff(ContentionPolicy):
+    """Run later, handed the lock by the holder's release: no worker slot, no polling.
+
+    The execution parks in the key's queue in Redis and frees its worker
+    slot at once. The holder's release hands the lock to the first parked
+    execution and publishes its message, so it starts right after the
+    release (milliseconds, not the holder's TTL), and parked executions run
+    one at a time in the order they parked. As a safety net each parked
+    execution also re-sends a copy of itself due when the holder's lock
+    would expire: if nobody wakes it (the holder's whole worker died), that
+    copy runs it then; whichever copy is granted first runs, the other is
+    dropped. In eager mode (no broker) it behaves as :class:`Retry`.
+
+    Args:
+        max_wait: Longest time in seconds from the first park to the run;
+            then ``then`` decides. ``None``: no limit (it waits as long as
+            holders keep the key, re-checking once per holder TTL).
+        jitter: Up to this many random seconds are added to the safety-net
+            copy's countdown.
+        then: Policy used once ``max_wait`` has passed (default
+            :class:`Raise`: a visible FAILURE).
+    """
+
+    name = "handoff"
+
+    def __init__(
+        self,
+        max_wait: float | None = 3600.0,
+        jitter: float = 1.0,
+        then: ContentionPolicy | str | None = None,
+    ) -> None:
+        if max_wait is not None and max_wait < 0:
+            raise ConfigurationError(f"HandOff max_wait must be >= 0, got {max_wait!r}")
+        if jitter < 0:
+            raise ConfigurationError(f"HandOff jitter must be >= 0, got {jitter!r}")
+        self.max_wait = max_wait
+        self.jitter = jitter
+        self.then = resolve_policy(then) if then is not None else Raise()
+
+    def handle(self, contention: Contention) -> Any:
+        """Park behind the holder; after ``max_wait``, ``then`` decides."""
+        if self.max_wait is not None and contention.parked_for > self.max_wait:
+            return self.then.handle(contention)
+        retry = Retry(max_retries=2**62, jitter=self.jitter)
+        if contention.park is None:
+            return retry.handle(contention)
+        return contention.park(retry.countdown_for(contention), contention.error())
+
+
 class RetryInsteadOfSkip(ContentionPolicy):
     """Apply ``policy``, but re-send instead of skipping (at any depth of composition).
 
@@ -280,6 +338,7 @@ _SHORTHANDS: dict[str, Callable[[], ContentionPolicy]] = {
     "retry": Retry,
     "raise": Raise,
     "wait": Wait,
+    "handoff": HandOff,
 }
 
 
@@ -297,7 +356,7 @@ def resolve_policy(
         return _SHORTHANDS[value.lower()]()
     raise ConfigurationError(
         f"{where} must be one of {', '.join(map(repr, _SHORTHANDS))} or a ContentionPolicy "
-        f"object (Skip(), Retry(...), Raise(), Wait(...)), got {value!r}"
+        f"object (Skip(), Retry(...), Raise(), Wait(...), HandOff(...)), got {value!r}"
     )
 
 

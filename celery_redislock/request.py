@@ -25,6 +25,7 @@ from celery.worker.request import Request
 
 from celery_redislock._clock import clock
 from celery_redislock.headers import QUEUED_TOKEN_HEADER, queued_token
+from celery_redislock.keys import queued_key
 from celery_redislock.settings import TaskSettings
 from celery_redislock.store import ReleaseOutcome
 from celery_redislock.task import SingletonTaskMixin
@@ -207,7 +208,7 @@ class SingletonRequest(Request):
             settings, store, prefix = lock.settings, lock.settings.backend, lock.owner.prefix()
             headers = self.request_dict.get("headers") or {}
             token = headers.get(QUEUED_TOKEN_HEADER) or self.request_dict.get(QUEUED_TOKEN_HEADER)
-            if requeued and token and settings.enqueue:
+            if requeued and token and settings.enqueue and not settings.coalesce:
                 ttl = settings.enqueue_ttl + float(lock.task.default_retry_delay or 0)
                 store.release_owner(lock.key, prefix, token, int(ttl * 1000))
                 return
@@ -309,7 +310,8 @@ def release_queued_lock(
     """
     settings = task._lock_settings()
     if settings.enabled:
-        settings.backend.release(task._key(settings, args, kwargs or {}), token)
+        key = task._key(settings, args, kwargs or {})
+        settings.backend.release(queued_key(key) if settings.coalesce else key, token)
 
 
 @task_revoked.connect

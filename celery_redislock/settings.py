@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from celery.utils.imports import symbol_by_name
 
 from celery_redislock.exceptions import ConfigurationError
+from celery_redislock.handoff import publisher as handoff_publisher
 from celery_redislock.policies import ContentionPolicy, resolve_policy
 from celery_redislock.store import LockStore
 from celery_redislock.urls import mask_url
@@ -35,6 +36,8 @@ __all__ = [
     "app_settings",
     "validate_backend_error_mode",
     "validate_count",
+    "validate_debounce",
+    "validate_enqueue_mode",
     "validate_hold",
     "validate_lost_mode",
     "validate_ttl",
@@ -57,6 +60,8 @@ DEFAULTS: Mapping[str, Any] = {
     "redislock_enqueue": False,
     "redislock_enqueue_ttl": 600.0,
     "redislock_enqueue_raise": False,
+    "redislock_debounce": 0.0,
+    "redislock_debounce_max_wait": None,
     "redislock_hold_after_success": 0.0,
     "redislock_beat_on_contention": "skip",
     "redislock_fence_ttl": 3600.0,
@@ -107,6 +112,31 @@ def validate_count(value: Any, where: str) -> int:
     return value
 
 
+#: The values of ``lock_enqueue``: off, held until the run ends, held until it starts.
+ENQUEUE_MODES = ("off", "until_done", "until_start")
+
+
+def validate_enqueue_mode(value: Any, where: str) -> str:
+    """Return the enqueue-time dedup mode: ``"off"``, ``"until_done"`` or ``"until_start"``.
+
+    ``False``/``True`` are ``"off"``/``"until_done"`` (the original meaning).
+    """
+    if value is False or value is None:
+        return "off"
+    if value is True:
+        return "until_done"
+    if isinstance(value, str) and value in ENQUEUE_MODES:
+        return value
+    raise ConfigurationError(
+        f"{where} must be False, True, 'until_done' or 'until_start', got {value!r}"
+    )
+
+
+def validate_debounce(value: Any, where: str) -> float:
+    """Return a debounce window in seconds (0 = off), else raise."""
+    return validate_hold(value, where)
+
+
 def validate_hold(value: Any, where: str) -> float:
     """Return ``value`` as seconds >= 0 (0 turns the window off), else raise."""
     if value == 0:
@@ -127,9 +157,11 @@ class AppSettings:
     enabled: bool
     renew_timeout: float
     backend_error_max_retries: int
-    enqueue: bool
+    enqueue: str
     enqueue_ttl: float
     enqueue_raise: bool
+    debounce: float
+    debounce_max_wait: float | None
     hold_after_success: float
     beat_on_contention: ContentionPolicy
     on_lost: str
@@ -220,9 +252,11 @@ def _read(app: Celery) -> AppSettings:
         enabled=bool(_get(app, "redislock_enabled")),
         renew_timeout=renew_timeout,
         backend_error_max_retries=max_retries,
-        enqueue=bool(_get(app, "redislock_enqueue")),
+        enqueue=validate_enqueue_mode(_get(app, "redislock_enqueue"), "redislock_enqueue"),
         enqueue_ttl=validate_ttl(_get(app, "redislock_enqueue_ttl"), "redislock_enqueue_ttl"),
         enqueue_raise=bool(_get(app, "redislock_enqueue_raise")),
+        debounce=validate_debounce(_get(app, "redislock_debounce"), "redislock_debounce"),
+        debounce_max_wait=_max_wait(app),
         hold_after_success=validate_hold(
             _get(app, "redislock_hold_after_success"), "redislock_hold_after_success"
         ),
@@ -243,6 +277,18 @@ def _read(app: Celery) -> AppSettings:
     )
 
 
+def _max_wait(app: Celery) -> float | None:
+    value = _get(app, "redislock_debounce_max_wait")
+    return None if value is None else validate_ttl(value, "redislock_debounce_max_wait")
+
+
+def _install_handoff(app: Celery, settings: AppSettings) -> AppSettings:
+    """Let releases through this app's store publish the messages of parked executions."""
+    settings.backend.on_handoff = handoff_publisher(app)
+    settings.backend.handoff_ttl_ms = max(int(settings.ttl * 1000), 1)
+    return settings
+
+
 def app_settings(app: Celery) -> AppSettings:
     """Return ``app``'s lock settings, reading them on first use.
 
@@ -254,7 +300,7 @@ def app_settings(app: Celery) -> AppSettings:
         with _CACHE_GUARD:
             settings = _CACHE.get(app)
             if settings is None:
-                settings = _read(app)
+                settings = _install_handoff(app, _read(app))
                 _CACHE[app] = settings
     return settings
 
@@ -280,8 +326,11 @@ class TaskSettings:
     beat_policy: ContentionPolicy
     on_backend_error: str
     enqueue: bool
+    coalesce: bool
     enqueue_ttl: float
     enqueue_raise: bool
+    debounce: float
+    debounce_max_wait: float
     hold_after_success: float
     on_lost: str
     min_replicas: int
@@ -296,6 +345,9 @@ class TaskSettings:
             return default if value is None else value
 
         ttl = float(pick("lock_ttl", app.ttl))
+        enqueue = validate_enqueue_mode(pick("lock_enqueue", app.enqueue), "lock_enqueue")
+        debounce = float(pick("lock_debounce", app.debounce))
+        max_wait = pick("lock_debounce_max_wait", app.debounce_max_wait)
         return cls(
             app=app,
             backend=app.backend,
@@ -305,9 +357,13 @@ class TaskSettings:
             policy=resolve_policy(pick("lock_on_contention", app.on_contention)),
             beat_policy=resolve_policy(pick("lock_beat_on_contention", app.beat_on_contention)),
             on_backend_error=str(pick("lock_on_backend_error", app.on_backend_error)),
-            enqueue=bool(pick("lock_enqueue", app.enqueue)),
+            enqueue=enqueue != "off",
+            coalesce=enqueue == "until_start",
             enqueue_ttl=float(pick("lock_enqueue_ttl", app.enqueue_ttl)),
             enqueue_raise=bool(pick("lock_enqueue_raise", app.enqueue_raise)),
+            debounce=debounce,
+            # A burst that never ends still runs: by default after ten windows.
+            debounce_max_wait=float(max_wait) if max_wait is not None else 10 * debounce,
             hold_after_success=float(pick("lock_hold_after_success", app.hold_after_success)),
             on_lost=str(pick("lock_on_lost", app.on_lost)),
             min_replicas=int(pick("lock_min_replicas", app.min_replicas)),
@@ -325,6 +381,9 @@ def validate_task_options(cls: type, where: str) -> None:
     validators: dict[str, Callable[[Any, str], Any]] = {
         "lock_ttl": validate_ttl,
         "lock_enqueue_ttl": validate_ttl,
+        "lock_enqueue": validate_enqueue_mode,
+        "lock_debounce": validate_debounce,
+        "lock_debounce_max_wait": validate_ttl,
         "lock_on_contention": resolve_policy,
         "lock_beat_on_contention": resolve_policy,
         "lock_on_lost": validate_lost_mode,
@@ -337,6 +396,11 @@ def validate_task_options(cls: type, where: str) -> None:
         value = getattr(cls, attribute)
         if value is not None:
             validate(value, f"{where}: {attribute}")
+    if getattr(cls, "lock_debounce", None) and getattr(cls, "lock_enqueue", None):
+        raise ConfigurationError(
+            f"{where}: set lock_debounce or lock_enqueue, not both (a debounced call "
+            "already joins the burst's run)"
+        )
     key_function = getattr(cls, "lock_key", None)
     if key_function is not None and not callable(key_function):
         raise ConfigurationError(f"{where}: lock_key must be callable, got {key_function!r}")

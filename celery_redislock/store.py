@@ -43,7 +43,14 @@ from celery_redislock.clients import (
     describe_client,
 )
 from celery_redislock.exceptions import LockBackendError
-from celery_redislock.keys import fence_key, release_channel
+from celery_redislock.keys import (
+    NOT_LOCK_SUFFIXES,
+    debounce_key,
+    fence_key,
+    handoff_keys,
+    release_channel,
+)
+from celery_redislock.keys import queued_key as queued_key_of
 from celery_redislock.tokens import LockValue
 from celery_redislock.transport import (
     NO_RETRY,
@@ -59,6 +66,7 @@ from celery_redislock.urls import mask_url
 __all__ = [
     "AcquireResult",
     "LockStore",
+    "ParkResult",
     "ReleaseOutcome",
     "RenewOutcome",
     "backend_error",
@@ -72,6 +80,8 @@ T = TypeVar("T")
 
 #: Keys per renewal script call: bounds how long one call blocks Redis.
 RENEW_CHUNK_SIZE = 500
+#: Suffixes of the keys kept beside a lock that are not locks themselves.
+_NOT_LOCKS = tuple(f":{suffix}" for suffix in NOT_LOCK_SUFFIXES)
 #: Times one wait subscribes again after its subscription dropped.
 _RESUBSCRIPTIONS = 3
 
@@ -123,6 +133,22 @@ class AcquireResult:
         if decoded is None or not decoded.owner.task_id:
             return None
         return decoded.owner.task_id
+
+
+@dataclass(frozen=True)
+class ParkResult:
+    """The reply of :meth:`LockStore.park`.
+
+    Attributes:
+        result: Granted, or the holder (as :meth:`LockStore.acquire`).
+        parked: Not granted, and queued behind the holder.
+        already_ran: This hand-off value's execution was already granted
+            the lock once: this is a second copy of it.
+    """
+
+    result: AcquireResult
+    parked: bool = False
+    already_ran: bool = False
 
 
 def backend_error(exc: RedisError, operation: str, key: str, where: str) -> LockBackendError:
@@ -219,6 +245,12 @@ class LockStore:
         self._topologies: dict[_Kind, Topology] = {}
         self._pid = os.getpid()
         self._where = "custom client"
+        #: Called with ``(key, hand-off value, message)`` when a release
+        #: handed the lock to a parked execution; publishes that message
+        #: (installed by the Celery side, see ``handoff.py``).
+        self.on_handoff: Callable[[str, str, bytes], None] | None = None
+        #: Milliseconds a lock handed to a parked execution waits for it to start.
+        self.handoff_ttl_ms = 30_000
         if client is not None:
             self._client_ref = weakref.ref(client)
             self._where = describe_client(client)
@@ -391,6 +423,103 @@ class LockStore:
             sent_at=sent_at,
         )
 
+    def park(
+        self,
+        key: str,
+        value: str,
+        ttl_ms: int,
+        handoff: str = "",
+        copy: str = "",
+        message: bytes = b"",
+        park_ttl_ms: int = 3_600_000,
+        queued: tuple[str, str] | None = None,
+        adopt: Sequence[str] = (),
+    ) -> ParkResult:
+        """Take the lock, or park behind its holder until a release hands it over.
+
+        One round trip. Parked, ``handoff`` waits in the key's queue (in
+        arrival order, at most once); the release that frees the key leaves
+        ``handoff`` in it instead and returns ``message`` for the releasing
+        process to publish (see ``PARK_SCRIPT`` and ``RELEASE_SCRIPT``).
+
+        Args:
+            key: Lock key.
+            value: Value to store when granted.
+            ttl_ms: Lock time to live in milliseconds.
+            handoff: This execution's hand-off value ('' if it never parks).
+            copy: Tag of this copy of the parked execution.
+            message: The message to publish when handed the lock; empty
+                means only try (do not park).
+            park_ttl_ms: Time to live of the queue keys, and of the
+                queued key while this run is parked.
+            queued: ``(queued key, this run's value in it)`` for a coalesced
+                run: freed once granted.
+            adopt: Values this caller may take over (as :meth:`acquire`).
+
+        Raises:
+            LockBackendError: Redis is unreachable or refused the script.
+        """
+        queued_at, queued_value = queued or (queued_key_of(key), "")
+        keys = (key, fence_key(key), *handoff_keys(key), queued_at)
+        args = (
+            value,
+            ttl_ms,
+            self.fence_ttl_ms,
+            handoff,
+            copy,
+            message,
+            park_ttl_ms,
+            queued_value,
+            *adopt,
+        )
+        sent_at = clock()
+        with self._errors("acquire", key):
+            reply = self.do_park(keys, args)
+        status = int(reply[0])
+        if status == 1:
+            return ParkResult(AcquireResult(True, sent_at=sent_at, fence=int(reply[1])))
+        if status == 2:
+            return ParkResult(AcquireResult(False, sent_at=sent_at), already_ran=True)
+        pttl = int(reply[2])
+        encoding = self._topology(_Kind.COMMANDS).endpoint_for(key).encoding
+        return ParkResult(
+            AcquireResult(
+                False,
+                None if reply[1] is None else decode_text(reply[1], encoding),
+                pttl / 1000.0 if pttl >= 0 else None,
+                sent_at=sent_at,
+            ),
+            parked=bool(int(reply[3])),
+        )
+
+    def debounce(
+        self, key: str, task_id: str, window_ms: int, max_wait_ms: int
+    ) -> tuple[bool, str, float]:
+        """Record a call in ``key``'s debounce burst (one round trip).
+
+        Returns:
+            ``(new burst, burst task id, seconds until the run is due)``.
+        """
+        ttl_ms = max_wait_ms + window_ms + 60_000
+        with self._errors("debounce", key):
+            reply = self.do_script(
+                scripts.DEBOUNCE, (debounce_key(key),), (task_id, window_ms, max_wait_ms, ttl_ms)
+            )
+        encoding = self._topology(_Kind.COMMANDS).endpoint_for(key).encoding
+        return bool(int(reply[0])), decode_text(reply[1], encoding), int(reply[2]) / 1000.0
+
+    def debounce_due(self, key: str, task_id: str, forget: bool = False) -> float:
+        """Seconds until ``task_id``'s debounced run is due; 0 (or less): run now.
+
+        At 0 the burst is over (its record deleted). ``forget`` deletes the
+        record of a burst whose message was never published.
+        """
+        with self._errors("debounce", key):
+            reply = self.do_script(
+                scripts.DEBOUNCE_DUE, (debounce_key(key),), (task_id, "1" if forget else "")
+            )
+        return int(reply) / 1000.0
+
     def acquire_waiting(
         self,
         key: str,
@@ -486,7 +615,37 @@ class LockStore:
 
     def _release(self, key: str, match: str, mode: str, keep: str, keep_ms: int) -> ReleaseOutcome:
         with self._errors("release", key):
-            return ReleaseOutcome(self.do_release(key, match, mode, keep, keep_ms))
+            reply = self.do_release(key, match, mode, keep, keep_ms)
+        if isinstance(reply, list):
+            _, waiter, message = reply
+            if isinstance(message, str):  # a client with decode_responses
+                message = message.encode("utf-8")
+            self._hand_off(key, decode_text(waiter, "utf-8"), message)
+            return ReleaseOutcome.RELEASED
+        return ReleaseOutcome(reply)
+
+    def _hand_off(self, key: str, waiter: str, message: bytes) -> None:
+        """The release handed ``key`` to a parked execution: publish its message.
+
+        Never raises: the parked execution's own re-sent copy runs at its
+        deadline if this publish fails (or never happens).
+        """
+        publish = self.on_handoff
+        if publish is None:
+            logger.warning(
+                "lock %s was handed to a parked execution, but this process cannot publish "
+                "its message; its re-sent copy runs when its countdown ends",
+                key,
+            )
+            return
+        try:
+            publish(key, waiter, message)
+        except Exception:
+            logger.exception(
+                "could not publish the parked execution lock %s was handed to; its re-sent "
+                "copy runs when its countdown ends",
+                key,
+            )
 
     def extend(self, key: str, value: str, ttl_ms: int) -> RenewOutcome:
         """Reset the lock's TTL to ``ttl_ms`` if it still holds ``value``."""
@@ -548,7 +707,9 @@ class LockStore:
     def scan_keys(self, match: str, batch: int = 1000) -> Iterator[list[str]]:
         """Yield batches of keys matching the glob ``match`` (SCAN, never KEYS), on every primary.
 
-        Fence counters (``...:fence``) are left out. SCAN may return a key
+        Fence counters (``...:fence``), debounce records and the keys of
+        parked executions (``...:waiters``, ``...:parked``, ``...:ran``) are
+        left out. SCAN may return a key
         twice while the keyspace is being resized; callers deduplicate.
         """
         with self._errors("list", match):
@@ -557,7 +718,7 @@ class LockStore:
                 while True:
                     cursor, found = endpoint.call("SCAN", cursor, "MATCH", match, "COUNT", batch)
                     keys = [decode_text(key, endpoint.encoding) for key in found]
-                    keys = [key for key in keys if not key.endswith(":fence")]
+                    keys = [key for key in keys if not key.endswith(_NOT_LOCKS)]
                     if keys:
                         yield keys
                     if cursor in (b"0", 0, "0"):
@@ -604,19 +765,29 @@ class LockStore:
         )
         return reply, None
 
-    def do_release(self, key: str, match: str, mode: str, keep: str, keep_ms: int) -> int:
-        """Run ``RELEASE_SCRIPT``; return its reply (1, 0 or -1).
+    def do_release(self, key: str, match: str, mode: str, keep: str, keep_ms: int) -> Any:
+        """Run ``RELEASE_SCRIPT``; return its reply (1, 0, -1, or a hand-off).
 
         Releases have connections of their own (short timeout, one retry), so
         a frozen Redis delays a finishing task by at most two short attempts;
         the TTL frees the key if both fail. If the first attempt's reply was
         lost, the retry's "already gone" means it worked: reported as 1.
+        (A hand-off in a lost reply is not published: the parked
+        execution's re-sent copy runs at its countdown instead.)
         """
-        args = (match, mode, release_channel(key), keep, max(keep_ms, 1))
+        args = (
+            match,
+            mode,
+            release_channel(key),
+            keep,
+            max(keep_ms, 1),
+            self.handoff_ttl_ms,
+        )
+        waiters, parked, _ = handoff_keys(key)
         attempts = 0
 
         def make(endpoint: Endpoint) -> Callable[[Any], Any]:
-            run_script = scripts.RELEASE.exchange((key,), args, endpoint.encoding)
+            run_script = scripts.RELEASE.exchange((key, waiters, parked), args, endpoint.encoding)
 
             def counted(connection: Any) -> Any:
                 nonlocal attempts
@@ -625,8 +796,22 @@ class LockStore:
 
             return counted
 
-        reply = int(self._topology(_Kind.RELEASES).run_for_key(key, make))
-        return 1 if attempts > 1 and reply == 0 else reply
+        reply = self._topology(_Kind.RELEASES).run_for_key(key, make)
+        if isinstance(reply, list):
+            return reply
+        return 1 if attempts > 1 and int(reply) == 0 else int(reply)
+
+    def do_script(self, script: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """Run one of the other scripts (debounce) over the commands' connections."""
+        return self._topology(_Kind.COMMANDS).run_for_key(
+            keys[0], lambda endpoint: script.exchange(keys, args, endpoint.encoding)
+        )
+
+    def do_park(self, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """Run ``PARK_SCRIPT``; return its raw reply."""
+        return self._topology(_Kind.COMMANDS).run_for_key(
+            keys[0], lambda endpoint: scripts.PARK.exchange(keys, args, endpoint.encoding)
+        )
 
     def do_extend(self, key: str, value: str, ttl_ms: int) -> int:
         """Run ``RENEW_SCRIPT`` for one key; return its status (1, 0 or -1)."""

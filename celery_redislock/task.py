@@ -112,11 +112,20 @@ class SingletonTaskMixin(_TaskBase):
         lock_enabled: False turns the lock off for this task.
         lock_enqueue: Also take the lock in ``apply_async``/``delay``, before
             publishing: a duplicate call is not published and gets the
-            holder's ``AsyncResult`` (or :class:`AlreadyQueued`).
+            holder's ``AsyncResult`` (or :class:`AlreadyQueued`). ``True``
+            (or ``"until_done"``) holds the key until the run ends;
+            ``"until_start"`` only until it starts (coalescing: one running,
+            at most one queued, and the queued run starts after the running
+            one released, never alongside it).
         lock_enqueue_ttl: Seconds a queued (not yet started) task holds its
             key; a countdown or ETA is added to it.
         lock_enqueue_raise: A duplicate ``delay()`` raises
             :class:`AlreadyQueued` instead of returning the holder's result.
+        lock_debounce: Trailing debounce window in seconds (0 = off): a burst
+            of calls for one key gives one run, started this long after the
+            burst's last call.
+        lock_debounce_max_wait: Longest delay from a burst's first call to
+            its run (default ten windows), so a burst that never ends runs.
         lock_hold_after_success: Keep the key this many seconds after a
             successful run, so a late duplicate is still deduplicated.
         lock_beat_on_contention: Policy for runs sent by celery beat
@@ -137,9 +146,11 @@ class SingletonTaskMixin(_TaskBase):
     lock_on_contention: str | ContentionPolicy | None = None
     lock_on_backend_error: str | None = None
     lock_enabled: bool | None = None
-    lock_enqueue: bool | None = None
+    lock_enqueue: bool | str | None = None
     lock_enqueue_ttl: float | None = None
     lock_enqueue_raise: bool | None = None
+    lock_debounce: float | None = None
+    lock_debounce_max_wait: float | None = None
     lock_hold_after_success: float | None = None
     lock_beat_on_contention: str | ContentionPolicy | None = None
     lock_on_lost: str | None = None

@@ -10,6 +10,7 @@ import pytest
 import redis
 
 from celery_redislock import LockNotOwned, RedisLock, ReleaseOutcome, lock_acquired, lock_lost
+from celery_redislock.keys import handoff_keys
 from celery_redislock.renewer import renewer
 from celery_redislock.scripts import RELEASE_SCRIPT
 from celery_redislock.store import LockStore
@@ -151,7 +152,8 @@ def test_a_stale_owners_release_is_refused_by_the_script(lock_client: redis.Redi
     new_value = LockValue.new(LockOwner.current(None, 0, None), "re:stale").encode()
     lock_client.set("re:stale", new_value, px=30000)
     # Lua level: the release script refuses the stale value and leaves the key.
-    reply = lock_client.eval(RELEASE_SCRIPT, 1, "re:stale", stale_value, "exact", "ch", "", 1)
+    keys = ("re:stale", *handoff_keys("re:stale")[:2])
+    reply = lock_client.eval(RELEASE_SCRIPT, 3, *keys, stale_value, "exact", "ch", "", 1, 1000)
     assert reply == -1
     assert lock_client.get("re:stale") == new_value.encode()
     # And through the lock: nested release sends nothing, the last is refused.

@@ -14,7 +14,7 @@ import redis
 from celery import Celery
 from celery.signals import task_revoked
 
-from celery_redislock import Retry, SingletonTask, Wait, lock_contended, lock_lost
+from celery_redislock import HandOff, Retry, SingletonTask, Wait, lock_contended, lock_lost
 from celery_redislock.fencing import FencedStore
 
 BASE_URL = os.environ.get("REDISLOCK_TEST_URL", "redis://127.0.0.1:1")
@@ -279,3 +279,18 @@ if "REDISLOCK_TEST_URL" in os.environ:
     task_revoked.connect(count_expired, weak=False)
     lock_lost.connect(count_loss, weak=False)
     lock_contended.connect(count_contention, weak=False)
+
+
+@app.task(
+    base=SingletonTask,
+    bind=True,
+    lock_args=("name",),
+    lock_on_contention=HandOff(jitter=0.2),
+)
+def parked(self: Any, name: str, seconds: float) -> str:
+    """Like ``hold``, but a contended run parks until the holder's release hands it over."""
+    record().hset(f"started:{self.request.id}", mapping={"pid": os.getpid(), "key": self.lock.key})
+    record().rpush(f"events:{name}", f"start:{self.request.id}:{time.time()}")
+    time.sleep(seconds)
+    record().rpush(f"events:{name}", f"end:{self.request.id}:{time.time()}")
+    return self.request.id

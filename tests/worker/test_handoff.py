@@ -1,0 +1,318 @@
+"""Hand-off (``HandOff`` policy) and coalescing (``lock_enqueue="until_start"``) in real workers."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_redislock import HandOff, SingletonTask
+from celery_redislock.keys import handoff_keys, queued_key
+from celery_redislock.store import LockStore
+from tests.conftest import embedded_worker
+from tests.servers import wait_until
+
+pytestmark = pytest.mark.worker
+
+
+def _spans(record: redis.Redis, name: str) -> list[tuple[float, float, str]]:
+    """(start, end, label) of every finished body, in start order."""
+    rows = [row.split("|") for row in record.lrange(name, 0, -1)]
+    return sorted((float(start), float(end), label) for start, end, label in rows)
+
+
+@pytest.mark.parametrize("pool", ["threads", "prefork"])
+def test_parked_duplicates_run_one_at_a_time_in_arrival_order_right_after_each_release(
+    app: Celery, record: redis.Redis, pool: str
+) -> None:
+    @app.task(
+        base=SingletonTask, shared=False, lock_args=("account",), lock_on_contention="handoff"
+    )
+    def recompute(account: int, label: str, seconds: float) -> str:
+        start = time.time()
+        time.sleep(seconds)
+        record.rpush("spans", f"{start}|{time.time()}|{label}")
+        return label
+
+    @app.task(shared=False)
+    def other() -> float:
+        return time.time()
+
+    with embedded_worker(app, pool, 2):
+        first = recompute.delay(7, "holder", 1.5)
+        wait_until(lambda: record.exists("spans") or _held(app, recompute), timeout=20)
+        waiters = []
+        for index in range(3):
+            waiters.append(recompute.delay(7, f"w{index}", 0.3))
+            # Each parks before the next is sent: arrival order is known.
+            wait_until(lambda n=index + 1: _parked(app, recompute) >= n, timeout=20)
+        # Parked executions hold no worker slot: with concurrency 2 and the
+        # holder running, another task still runs at once.
+        sent = time.time()
+        assert other.delay().get(timeout=20) - sent < 1.0
+        assert first.get(timeout=30) == "holder"
+        assert [w.get(timeout=30) for w in waiters] == ["w0", "w1", "w2"]
+    spans = _spans(record, "spans")
+    assert [label for _, _, label in spans] == ["holder", "w0", "w1", "w2"]
+    for (_, end, _), (start, _, label) in itertools.pairwise(spans):
+        assert start >= end, f"{label} overlapped the run before it"
+        # Handed over on release, not after the holder's 30 s TTL.
+        assert start - end < 1.0, f"{label} started {start - end:.3f}s after the release"
+
+
+def _settings(app: Celery, task: Any) -> Any:
+    return task._lock_settings()
+
+
+def _held(app: Celery, task: Any) -> bool:
+    client = redis.Redis.from_url(app.conf.redislock_url)
+    try:
+        return any(not k.endswith((b":fence",)) for k in client.scan_iter(match=b"*"))
+    finally:
+        client.close()
+
+
+def _parked(app: Celery, task: Any) -> int:
+    client = redis.Redis.from_url(app.conf.redislock_url)
+    try:
+        return sum(
+            int(client.llen(key)) for key in client.scan_iter(match=b"*:waiters", count=1000)
+        )
+    finally:
+        client.close()
+
+
+def test_a_parked_execution_runs_at_its_safety_net_when_nobody_hands_it_over(
+    app: Celery, record: redis.Redis, lock_client: redis.Redis
+) -> None:
+    """The holder's release cannot publish (its process died after the pop): the re-sent copy runs.
+
+    Exactly once: the woken copy is never published here, and the safety
+    net's copy runs the body.
+    """
+
+    @app.task(
+        base=SingletonTask,
+        shared=False,
+        lock_args=(),
+        lock_ttl=2,
+        lock_on_contention=HandOff(jitter=0.1),
+    )
+    def job(label: str) -> str:
+        record.rpush("runs", label)
+        return label
+
+    key = job.lock_key_for(("waiter",), {})
+    holder_value = "v1|holder|0|elsewhere|1|ab|job|0"
+    assert lock_client.set(key, holder_value, px=2000)
+    with embedded_worker(app, "threads", 2):
+        result = job.delay("waiter")
+        wait_until(lambda: lock_client.llen(handoff_keys(key)[0]) == 1, timeout=20)
+        # A release by a process that cannot publish the woken message: the
+        # lock is handed to the waiter, but its message is never sent.
+        bare = LockStore(client=lock_client)
+        bare.release(key, holder_value)
+        assert lock_client.get(key).startswith(b"v1|")  # handed over, not freed
+        assert result.get(timeout=20) == "waiter"
+        time.sleep(0)  # the copies are both gone now; nothing more may run
+        wait_until(lambda: not lock_client.exists(key), timeout=10)
+    assert record.lrange("runs", 0, -1) == ["waiter"]
+
+
+def test_both_copies_of_a_parked_execution_arrive_and_the_body_runs_once(
+    app: Celery, record: redis.Redis, lock_client: redis.Redis
+) -> None:
+    """Woken copy and safety-net copy both delivered: one runs, the other is dropped."""
+
+    @app.task(
+        base=SingletonTask,
+        shared=False,
+        lock_args=(),
+        lock_ttl=1,
+        lock_on_contention=HandOff(jitter=0.0),
+    )
+    def job(label: str) -> str:
+        record.rpush("runs", label)
+        time.sleep(0.2)
+        return label
+
+    key = job.lock_key_for(("waiter",), {})
+    holder_value = "v1|holder|0|elsewhere|1|ab|job|0"
+    assert lock_client.set(key, holder_value, px=1000)
+    with embedded_worker(app, "threads", 2):
+        result = job.delay("waiter")
+        wait_until(lambda: lock_client.llen(handoff_keys(key)[0]) == 1, timeout=20)
+        # Released (woken copy published) just as the safety net (1 s) fires.
+        settings = job._lock_settings()
+        time.sleep(0.9)
+        settings.backend.release(key, holder_value)
+        assert result.get(timeout=20) == "waiter"
+        ran = handoff_keys(key)[2]
+        wait_until(lambda: lock_client.hlen(ran) == 1, timeout=10)
+        # Give the second copy time to arrive and be dropped.
+        wait_until(lambda: not lock_client.exists(key), timeout=10)
+        time.sleep(1.5)
+    assert record.lrange("runs", 0, -1) == ["waiter"]
+
+
+def test_coalescing_storm_never_loses_the_latest_change(
+    app_factory: Any, record: redis.Redis
+) -> None:
+    """1,000 calls over ~3 s against a 0.25 s body: the last body sees the final counter."""
+    app = app_factory()
+
+    @app.task(base=SingletonTask, shared=False, lock_args=("account",), lock_enqueue="until_start")
+    def recompute(account: int) -> int:
+        start = time.time()
+        seen = int(record.get("counter") or 0)
+        running = record.incr("running")
+        record.rpush("overlap", running)
+        time.sleep(0.25)
+        record.decr("running")
+        record.rpush("seen", f"{start}|{seen}")
+        return seen
+
+    calls = 1000
+    with embedded_worker(app, "threads", 4):
+        deadline = time.time() + 3.0
+        for n in range(calls):
+            record.incr("counter")
+            recompute.delay(1)
+            pause = (deadline - time.time()) / (calls - n)
+            if pause > 0:
+                time.sleep(pause)
+        final = int(record.get("counter"))
+        lock = redis.Redis.from_url(app.conf.redislock_url)
+        key = recompute.lock_key_for((1,), {})
+
+        def settled() -> bool:
+            return not lock.exists(key) and not lock.exists(queued_key(key))
+
+        wait_until(settled, timeout=30)
+        lock.close()
+    seen = [int(row.split("|")[1]) for row in record.lrange("seen", 0, -1)]
+    assert final == calls
+    assert seen[-1] == final, f"the last body saw {seen[-1]}, the final value is {final}"
+    assert max(int(n) for n in record.lrange("overlap", 0, -1)) == 1
+    # About storm / body + 1 bodies (3 s / 0.25 s + 1 = 13), not 1,000.
+    assert 2 <= len(seen) <= 20, len(seen)
+
+
+def test_a_call_while_the_queued_run_waits_joins_it(app: Celery, record: redis.Redis) -> None:
+    @app.task(base=SingletonTask, shared=False, lock_args=("account",), lock_enqueue="until_start")
+    def recompute(account: int, seconds: float) -> float:
+        record.rpush("runs", account)
+        time.sleep(seconds)
+        return seconds
+
+    with embedded_worker(app, "threads", 2):
+        running = recompute.delay(1, 1.0)
+        wait_until(lambda: record.llen("runs") == 1, timeout=20)
+        queued = recompute.delay(1, 0.1)  # published: the first one started
+        joined = recompute.delay(1, 0.2)  # the queued one has not started: joins it
+        assert queued.id != running.id
+        assert joined.id == queued.id
+        assert running.get(timeout=20) == 1.0
+        assert queued.get(timeout=20) == 0.1
+    assert record.lrange("runs", 0, -1) == ["1", "1"]
+
+
+def test_parked_executions_survive_a_threaded_release_storm(
+    app: Celery, record: redis.Redis
+) -> None:
+    """Eight callers, one key: every call runs, never two at once."""
+
+    @app.task(base=SingletonTask, shared=False, lock_args=(), lock_on_contention="handoff")
+    def job(n: int) -> int:
+        running = record.incr("running")
+        record.rpush("overlap", running)
+        time.sleep(0.05)
+        record.decr("running")
+        return n
+
+    with embedded_worker(app, "threads", 4):
+        results: list[Any] = []
+        guard = threading.Lock()
+
+        def call(n: int) -> None:
+            result = job.delay(n)
+            with guard:
+                results.append(result)
+
+        threads = [threading.Thread(target=call, args=(n,)) for n in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert sorted(r.get(timeout=30) for r in results) == list(range(8))
+    assert max(int(n) for n in record.lrange("overlap", 0, -1)) == 1
+
+
+def test_a_debounced_burst_runs_once_a_window_after_its_last_call(
+    app: Celery, record: redis.Redis
+) -> None:
+    @app.task(base=SingletonTask, shared=False, lock_args=("account",), lock_debounce=0.6)
+    def recompute(account: int) -> int:
+        record.rpush("runs", f"{time.time()}|{record.get('counter')}")
+        return account
+
+    with embedded_worker(app, "threads", 2):
+        results = []
+        for _ in range(10):
+            record.incr("counter")
+            results.append(recompute.delay(1))
+            time.sleep(0.1)
+        last_call = time.time()
+        assert len({r.id for r in results}) == 1  # every call joined the burst's run
+        assert results[-1].get(timeout=20) == 1
+    runs = [row.split("|") for row in record.lrange("runs", 0, -1)]
+    assert len(runs) == 1
+    started, seen = float(runs[0][0]), runs[0][1]
+    assert seen == "10"  # it ran after the last call
+    assert 0.5 <= started - last_call < 2.0, started - last_call
+
+
+def test_a_never_ending_burst_still_runs_by_its_max_wait(app: Celery, record: redis.Redis) -> None:
+    @app.task(
+        base=SingletonTask,
+        shared=False,
+        lock_args=("account",),
+        lock_debounce=0.5,
+        lock_debounce_max_wait=1.0,
+    )
+    def recompute(account: int) -> int:
+        record.rpush("runs", f"{time.time()}|{record.get('counter')}")
+        return account
+
+    with embedded_worker(app, "threads", 2):
+        first_call = time.time()
+        last = None
+        while time.time() - first_call < 3.0:
+            record.incr("counter")
+            last = recompute.delay(1)
+            time.sleep(0.1)
+        final = record.get("counter")
+        assert last is not None
+        last.get(timeout=20)
+        wait_until(lambda: record.lrange("runs", -1, -1)[0].endswith(f"|{final}"), timeout=10)
+    runs = [float(row.split("|")[0]) for row in record.lrange("runs", 0, -1)]
+    # A run at most max_wait (+ delivery slack) after each burst began:
+    # several runs in 3 s of calls, not one at the end.
+    assert len(runs) >= 2
+    assert runs[0] - first_call < 1.0 + 1.0
+
+
+def test_debounce_and_enqueue_together_are_refused(app: Celery) -> None:
+    from celery_redislock import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="lock_debounce or lock_enqueue"):
+
+        @app.task(base=SingletonTask, shared=False, lock_debounce=1, lock_enqueue=True)
+        def both() -> None: ...
+
+        both.name  # noqa: B018  (the proxy builds the task class on first use)

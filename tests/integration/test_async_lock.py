@@ -237,7 +237,8 @@ def test_cancelled_while_waiting_leaves_the_holder_alone(
         with pytest.raises(asyncio.TimeoutError):
             await asyncio.wait_for(AsyncRedisLock(client, "a:waitcancel").acquire(), 0.3)
         assert lock_client.get("a:waitcancel") == value and holder.owned
-        assert lock_client.pubsub_numsub(release_channel("a:waitcancel"))[0][1] == 0
+        channel = release_channel("a:waitcancel")
+        await until(lambda: lock_client.pubsub_numsub(channel)[0][1] == 0, what="unsubscribed")
         await holder.release()
 
     run(server, body)
@@ -419,3 +420,32 @@ def test_an_acquire_that_timed_out_is_taken_over_by_the_next_acquire(
             await client.aclose()
 
     run(server, body)
+
+
+def test_an_async_lock_redis_stops_answering_for_is_lost_locally_once(
+    server: RedisServer, lock_client: redis.Redis
+) -> None:
+    reasons: list[str] = []
+
+    def on_lost(sender: Any, **kwargs: Any) -> None:
+        if kwargs["key"] == "a:frozen":
+            reasons.append(kwargs["reason"])
+
+    async def body(client: redis.asyncio.Redis) -> None:
+        lock = AsyncRedisLock(client, "a:frozen", ttl=0.9)
+        assert await lock.acquire()
+        server.pause()  # SIGSTOP: renewals time out
+        try:
+            await until(lambda: lock.lost, timeout=15, what="the lease to run out locally")
+            assert not lock.owned and lock.handle and lock.handle.lost_reason == "expired_locally"
+        finally:
+            server.resume()
+        assert await lock.release() in (ReleaseOutcome.ALREADY_GONE, ReleaseOutcome.RELEASED)
+        await until(lambda: not async_renewer().alive)
+
+    lock_lost.connect(on_lost)
+    try:
+        run(server, body)
+    finally:
+        lock_lost.disconnect(on_lost)
+    assert reasons == ["expired_locally"]

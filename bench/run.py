@@ -30,6 +30,7 @@ from bench.scenarios.hand_off import hand_off  # noqa: E402
 from bench.scenarios.lock_cycle import lock_cycle  # noqa: E402
 from bench.scenarios.overhead import per_task_overhead  # noqa: E402
 from bench.scenarios.renewal import renewal_at_scale  # noqa: E402
+from bench.scenarios.task_handoff import bodies_per_storm, task_hand_off  # noqa: E402
 from tests.servers import RedisServer  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -46,7 +47,7 @@ def main() -> int:
         default=75.0,
         help="longest wait for a duplicate after a kill (s)",
     )
-    parser.add_argument("--only", default="1,2,3,4,5", help="scenario numbers, e.g. 1,2")
+    parser.add_argument("--only", default="1,2,3,4,5,6,7", help="scenario numbers, e.g. 1,2")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, to check the bench runs")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
@@ -92,6 +93,18 @@ def main() -> int:
                 args.crash_cap,
                 [c for c in contenders if c != "plain"],
                 ("default",) if args.smoke else ("default", "ttl60"),
+            ),
+        ),
+        (
+            6,
+            "task hand-off latency",
+            lambda: task_hand_off(report, args.rounds, 3 if args.smoke else 20),
+        ),
+        (
+            7,
+            "bodies per storm",
+            lambda: bodies_per_storm(
+                report, args.rounds, 50 if args.smoke else 1000, 1.0 if args.smoke else 5.0
             ),
         ),
     ]

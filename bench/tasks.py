@@ -12,7 +12,7 @@ import os
 import redis
 
 from bench.common import bench_app, broker_url
-from celery_redislock import SingletonTask
+from celery_redislock import Retry, SingletonTask, Wait
 
 app = bench_app("bench", prefetch=4)
 
@@ -58,3 +58,76 @@ if QueueOnce is not None:
     @app.task(name="bench.celery_once", base=QueueOnce)
     def celery_once(n: int) -> None:
         done()
+
+
+# Scenario 6: contended executions of one key, by policy. Each body records
+# when it started and ended (database 3, list "spans:<contender>").
+def _span(contender: str, label: str, seconds: float) -> None:
+    import time
+
+    start = time.time()
+    time.sleep(seconds)
+    global _done
+    if _done is None or _done.connection_pool.pid != os.getpid():  # type: ignore[attr-defined]
+        _done = redis.Redis.from_url(f"{broker_url()}/3")
+    _done.rpush(f"spans:{contender}", f"{start}|{time.time()}|{label}")
+
+
+@app.task(
+    name="bench.contended_handoff",
+    base=SingletonTask,
+    lock_args=("group",),
+    lock_on_contention="handoff",
+)
+def contended_handoff(group: str, label: str, seconds: float) -> None:
+    _span("handoff", label, seconds)
+
+
+@app.task(
+    name="bench.contended_wait",
+    base=SingletonTask,
+    lock_args=("group",),
+    lock_on_contention=Wait(timeout=120),
+)
+def contended_wait(group: str, label: str, seconds: float) -> None:
+    _span("wait", label, seconds)
+
+
+@app.task(
+    name="bench.contended_retry",
+    base=SingletonTask,
+    lock_args=("group",),
+    lock_ttl=3,
+    lock_on_contention=Retry(jitter=0.2, max_retries=1000),
+)
+def contended_retry(group: str, label: str, seconds: float) -> None:
+    _span("retry", label, seconds)
+
+
+# Scenario 7: a storm of calls for one key; the body reads a counter the
+# caller bumps before each call ("seen:<contender>": start|value seen).
+def _seen(contender: str, seconds: float) -> None:
+    import time
+
+    global _done
+    if _done is None or _done.connection_pool.pid != os.getpid():  # type: ignore[attr-defined]
+        _done = redis.Redis.from_url(f"{broker_url()}/3")
+    start = time.time()
+    value = int(_done.get("counter") or 0)
+    time.sleep(seconds)
+    _done.rpush(f"seen:{contender}", f"{start}|{value}")
+
+
+@app.task(name="bench.storm_until_start", base=SingletonTask, lock_enqueue="until_start")
+def storm_until_start(group: str, seconds: float) -> None:
+    _seen("until_start", seconds)
+
+
+@app.task(name="bench.storm_until_done", base=SingletonTask, lock_enqueue=True)
+def storm_until_done(group: str, seconds: float) -> None:
+    _seen("until_done", seconds)
+
+
+@app.task(name="bench.storm_debounce", base=SingletonTask, lock_debounce=0.5)
+def storm_debounce(group: str, seconds: float) -> None:
+    _seen("debounce", seconds)

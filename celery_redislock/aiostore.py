@@ -40,7 +40,7 @@ from redis.exceptions import ConnectionError, NoScriptError, RedisError, Respons
 from celery_redislock import scripts
 from celery_redislock._clock import clock
 from celery_redislock.exceptions import ConfigurationError
-from celery_redislock.keys import fence_key, handoff_keys, release_channel
+from celery_redislock.keys import fence_key, release_channel
 from celery_redislock.store import (
     RENEW_CHUNK_SIZE,
     AcquireResult,
@@ -48,6 +48,7 @@ from celery_redislock.store import (
     RenewOutcome,
     backend_error,
     decode_text,
+    release_call,
 )
 from celery_redislock.transport import Script, connection_settings, pack_command
 
@@ -477,11 +478,8 @@ class AsyncLockStore:
         execution's re-sent copy runs at its countdown (as with a sync
         store that has no publisher); reported as 1.
         """
-        args = (value, "exact", release_channel(key), "", 1, HANDOFF_TTL_MS)
-        waiters, parked, _ = handoff_keys(key)
-        run_script = script_exchange(
-            scripts.RELEASE, (key, waiters, parked), args, self.releases.encoding
-        )
+        keys, args = release_call(key, value, "exact", "", 1, HANDOFF_TTL_MS)
+        run_script = script_exchange(scripts.RELEASE, keys, args, self.releases.encoding)
         attempts = 0
 
         async def counted(connection: Any) -> Any:

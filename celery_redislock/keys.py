@@ -289,22 +289,25 @@ def fence_key(key: str) -> str:
 
 
 #: Suffixes of the keys that hold parked executions (see :func:`handoff_keys`).
-HANDOFF_SUFFIXES = ("waiters", "parked", "ran")
+HANDOFF_SUFFIXES = ("waiters", "parked", "ran", "parking")
 #: Suffixes of every key kept beside a lock that is not a lock itself.
 NOT_LOCK_SUFFIXES = ("fence", "debounce", *HANDOFF_SUFFIXES)
 
 
-def handoff_keys(key: str) -> tuple[str, str, str]:
+def handoff_keys(key: str) -> tuple[str, str, str, str]:
     """Return the keys of ``key``'s parked executions, in its Redis Cluster slot.
 
     * ``waiters``: a list of hand-off values, in the order they parked;
     * ``parked``: a hash, hand-off value -> the message to publish when the
       lock is handed to it;
     * ``ran``: a hash of the hand-off values whose execution was granted the
-      lock, so a second copy of the same parked execution is dropped.
+      lock (value: which copy), so a second copy of it is dropped;
+    * ``parking``: a plain string set while anything may be parked. A
+      release reads only this (``GET``) unless it is set, so a lock store
+      user that never parks needs no list or hash commands.
     """
-    waiters, parked, ran = (_companion(key, suffix) for suffix in HANDOFF_SUFFIXES)
-    return waiters, parked, ran
+    waiters, parked, ran, parking = (_companion(key, suffix) for suffix in HANDOFF_SUFFIXES)
+    return waiters, parked, ran, parking
 
 
 def debounce_key(key: str) -> str:

@@ -82,7 +82,9 @@ return {1, fence}
 )
 
 # KEYS[1] - lock key
-# KEYS[2] - its waiters list, KEYS[3] its parked hash (see keys.handoff_keys)
+# KEYS[2] - its waiters list, KEYS[3] its parked hash, KEYS[4] its parking
+#           flag (see keys.handoff_keys): the list and hash are only read
+#           when the flag is set
 # ARGV[1] - the holder's whole value (mode "exact") or an owner prefix
 #           (mode "prefix", used by a worker's parent for a dead child)
 # ARGV[2] - "exact" or "prefix"
@@ -122,17 +124,20 @@ if ARGV[4] ~= '' then
     redis.call('PUBLISH', ARGV[3], '1')
     return 1
 end
-while true do
-    local waiter = redis.call('LPOP', KEYS[2])
-    if not waiter then
-        break
-    end
-    local message = redis.call('HGET', KEYS[3], waiter)
-    if message then
-        redis.call('HDEL', KEYS[3], waiter)
-        redis.call('SET', KEYS[1], waiter, 'PX', ARGV[6])
-        redis.call('PUBLISH', ARGV[3], '1')
-        return {1, waiter, message}
+if redis.call('GET', KEYS[4]) then
+    while true do
+        local waiter = redis.call('LPOP', KEYS[2])
+        if not waiter then
+            redis.call('DEL', KEYS[4])
+            break
+        end
+        local message = redis.call('HGET', KEYS[3], waiter)
+        if message then
+            redis.call('HDEL', KEYS[3], waiter)
+            redis.call('SET', KEYS[1], waiter, 'PX', ARGV[6])
+            redis.call('PUBLISH', ARGV[3], '1')
+            return {1, waiter, message}
+        end
     end
 end
 redis.call('DEL', KEYS[1])
@@ -165,8 +170,9 @@ return result
 
 # KEYS[1]    - lock key
 # KEYS[2]    - fence counter of this key
-# KEYS[3..5] - its waiters list, parked hash and ran hash (keys.handoff_keys)
-# KEYS[6]    - its queued key (keys.queued_key), for a coalesced run
+# KEYS[3..6] - its waiters list, parked hash, ran hash and parking flag
+#              (keys.handoff_keys)
+# KEYS[7]    - its queued key (keys.queued_key), for a coalesced run
 # ARGV[1..3] - value, its TTL in ms, the fence counter's TTL in ms (as ACQUIRE)
 # ARGV[4]    - this execution's hand-off value ('' if it never parked): the
 #              value a release leaves in KEYS[1] to hand the lock to it
@@ -176,7 +182,7 @@ return result
 #              means do not park (only try)
 # ARGV[7]    - time to live in ms of the waiters, parked and ran keys, and
 #              of the queued key while its run is parked
-# ARGV[8]    - this execution's value in KEYS[6] ('' if none): freed when
+# ARGV[8]    - this execution's value in KEYS[7] ('' if none): freed when
 #              the lock is granted, kept alive while parked
 # ARGV[9..n] - values to take over, as ACQUIRE's ARGV[4..n]
 # returns {1, fence} when granted (as ACQUIRE; the hand-off value is marked
@@ -210,8 +216,9 @@ if current and current ~= ARGV[1] and current ~= ARGV[4] then
             end
             redis.call('PEXPIRE', KEYS[3], ARGV[7])
             redis.call('PEXPIRE', KEYS[4], ARGV[7])
-            if ARGV[8] ~= '' and redis.call('GET', KEYS[6]) == ARGV[8] then
-                redis.call('PEXPIRE', KEYS[6], ARGV[7])
+            redis.call('SET', KEYS[6], '1', 'PX', ARGV[7])
+            if ARGV[8] ~= '' and redis.call('GET', KEYS[7]) == ARGV[8] then
+                redis.call('PEXPIRE', KEYS[7], ARGV[7])
             end
             parked = 1
         end
@@ -228,8 +235,8 @@ if ARGV[4] ~= '' then
         redis.call('LREM', KEYS[3], 0, ARGV[4])
     end
 end
-if ARGV[8] ~= '' and redis.call('GET', KEYS[6]) == ARGV[8] then
-    redis.call('DEL', KEYS[6])
+if ARGV[8] ~= '' and redis.call('GET', KEYS[7]) == ARGV[8] then
+    redis.call('DEL', KEYS[7])
 end
 return {1, fence}
 """

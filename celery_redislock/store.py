@@ -71,6 +71,7 @@ __all__ = [
     "RenewOutcome",
     "backend_error",
     "decode_text",
+    "release_call",
 ]
 
 # The logger keeps the name the README documents (the module was backend.py).
@@ -163,14 +164,24 @@ def backend_error(exc: RedisError, operation: str, key: str, where: str) -> Lock
         if any(marker in lowered for marker in refused):
             detail += (
                 " (the lock store must allow EVAL/EVALSHA, GET, SET, PEXPIRE, PTTL, DEL, "
-                "TIME and PUBLISH on the lock keys for this user, and SUBSCRIBE for the "
-                "wait policy; see the README's ACL section)"
+                "TIME and PUBLISH on the lock keys for this user, SUBSCRIBE for the "
+                "wait policy, and LPOP, RPUSH, LREM, HSET, HGET, HDEL and HSETNX for "
+                "hand-off, coalescing and debounce; see the README's ACL section)"
             )
         return LockBackendError(f"Redis at {where} refused to {operation} lock {key!r}: {detail}")
     return LockBackendError(
         f"cannot {operation} lock {key!r}: Redis at {where} is unavailable "
         f"({type(exc).__name__}: {exc})"
     )
+
+
+def release_call(
+    key: str, match: str, mode: str, keep: str, keep_ms: int, handoff_ttl_ms: int
+) -> tuple[tuple[str, ...], tuple[Any, ...]]:
+    """KEYS and ARGV of ``RELEASE_SCRIPT``: one place for the sync and asyncio stores."""
+    waiters, parked, _, parking = handoff_keys(key)
+    args = (match, mode, release_channel(key), keep, max(keep_ms, 1), handoff_ttl_ms)
+    return (key, waiters, parked, parking), args
 
 
 def decode_text(value: Any, encoding: str) -> str:
@@ -775,19 +786,11 @@ class LockStore:
         (A hand-off in a lost reply is not published: the parked
         execution's re-sent copy runs at its countdown instead.)
         """
-        args = (
-            match,
-            mode,
-            release_channel(key),
-            keep,
-            max(keep_ms, 1),
-            self.handoff_ttl_ms,
-        )
-        waiters, parked, _ = handoff_keys(key)
+        keys, args = release_call(key, match, mode, keep, keep_ms, self.handoff_ttl_ms)
         attempts = 0
 
         def make(endpoint: Endpoint) -> Callable[[Any], Any]:
-            run_script = scripts.RELEASE.exchange((key, waiters, parked), args, endpoint.encoding)
+            run_script = scripts.RELEASE.exchange(keys, args, endpoint.encoding)
 
             def counted(connection: Any) -> Any:
                 nonlocal attempts

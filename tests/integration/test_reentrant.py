@@ -10,10 +10,9 @@ import pytest
 import redis
 
 from celery_redislock import LockNotOwned, RedisLock, ReleaseOutcome, lock_acquired, lock_lost
-from celery_redislock.keys import handoff_keys
 from celery_redislock.renewer import renewer
 from celery_redislock.scripts import RELEASE_SCRIPT
-from celery_redislock.store import LockStore
+from celery_redislock.store import LockStore, release_call
 from celery_redislock.tokens import LockOwner, LockValue
 from tests.servers import wait_until
 
@@ -152,8 +151,8 @@ def test_a_stale_owners_release_is_refused_by_the_script(lock_client: redis.Redi
     new_value = LockValue.new(LockOwner.current(None, 0, None), "re:stale").encode()
     lock_client.set("re:stale", new_value, px=30000)
     # Lua level: the release script refuses the stale value and leaves the key.
-    keys = ("re:stale", *handoff_keys("re:stale")[:2])
-    reply = lock_client.eval(RELEASE_SCRIPT, 3, *keys, stale_value, "exact", "ch", "", 1, 1000)
+    keys, args = release_call("re:stale", stale_value.decode(), "exact", "", 0, 1000)
+    reply = lock_client.eval(RELEASE_SCRIPT, len(keys), *keys, *args)
     assert reply == -1
     assert lock_client.get("re:stale") == new_value.encode()
     # And through the lock: nested release sends nothing, the last is refused.

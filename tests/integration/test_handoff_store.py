@@ -1,0 +1,144 @@
+"""PARK and RELEASE scripts against a real redis-server: the hand-off queue, copies, ACLs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import redis
+
+from celery_redislock import LockBackendError
+from celery_redislock.keys import debounce_key, handoff_keys, queued_key
+from celery_redislock.store import LockStore, ReleaseOutcome
+from tests.integration.test_acl import LOCK_USER_RULES
+from tests.servers import RedisServer
+
+KEY = "redislock:t:{abc}"
+TTL = 10_000
+PARK_TTL = 60_000
+
+
+@pytest.fixture
+def store(lock_client: redis.Redis) -> LockStore:
+    backend = LockStore(client=lock_client)
+    handed: list[tuple[str, str, bytes]] = []
+    backend.on_handoff = lambda key, waiter, message: handed.append((key, waiter, message))
+    backend.handed = handed  # type: ignore[attr-defined]
+    return backend
+
+
+def park(store: LockStore, value: str, handoff: str, copy: str = "c", msg: bytes = b"m") -> Any:
+    return store.park(KEY, value, TTL, handoff, copy, msg, PARK_TTL)
+
+
+def test_release_hands_the_lock_to_parked_executions_in_arrival_order(
+    store: LockStore, lock_client: redis.Redis
+) -> None:
+    assert store.acquire(KEY, "holder", TTL).acquired
+    for n in range(3):
+        parked = park(store, f"value-{n}", f"handoff-{n}", msg=f"message-{n}".encode())
+        assert parked.parked and not parked.result.acquired
+        assert parked.result.holder == "holder"
+    # Parking again (a safety-net copy) never queues twice.
+    assert park(store, "value-0b", "handoff-0", msg=b"message-0").parked
+    assert lock_client.llen(handoff_keys(KEY)[0]) == 3
+
+    assert store.release(KEY, "holder") is ReleaseOutcome.RELEASED
+    assert lock_client.get(KEY) == b"handoff-0"  # held for the first parked execution
+    assert store.handed == [(KEY, "handoff-0", b"message-0")]  # type: ignore[attr-defined]
+    # A newcomer meets the handed-over lock: it cannot jump the queue.
+    assert not store.acquire(KEY, "newcomer", TTL).acquired
+    # The first parked execution takes it over (its hand-off value is its own).
+    granted = park(store, "value-0", "handoff-0", copy="woken", msg=b"")
+    assert granted.result.acquired
+    assert store.release(KEY, "value-0") is ReleaseOutcome.RELEASED
+    assert lock_client.get(KEY) == b"handoff-1"
+    assert store.handed[-1][1] == "handoff-1"  # type: ignore[attr-defined]
+
+
+def test_a_second_copy_is_refused_but_a_redelivery_of_the_granted_copy_is_not(
+    store: LockStore,
+) -> None:
+    assert store.acquire(KEY, "holder", TTL).acquired
+    assert park(store, "v", "handoff", copy="first").parked
+    store.release(KEY, "holder")
+    assert park(store, "v-woken", "handoff", copy="woken", msg=b"").result.acquired
+    store.release(KEY, "v-woken")
+    # The safety-net copy of the same parked execution arrives later: dropped.
+    assert park(store, "v-net", "handoff", copy="net", msg=b"").already_ran
+    # The granted copy redelivered (acks_late, its worker died): runs again.
+    again = park(store, "v-again", "handoff", copy="woken", msg=b"")
+    assert again.result.acquired and not again.already_ran
+
+
+def test_entries_of_executions_that_already_ran_are_skipped_at_release(
+    store: LockStore, lock_client: redis.Redis
+) -> None:
+    assert store.acquire(KEY, "holder", TTL).acquired
+    assert park(store, "a", "handoff-a", msg=b"message-a").parked
+    assert park(store, "b", "handoff-b", msg=b"message-b").parked
+    lock_client.delete(KEY)  # the holder died; its TTL ran out
+    # a's safety-net copy noticed first and ran.
+    assert park(store, "a-net", "handoff-a", copy="net", msg=b"").result.acquired
+    assert lock_client.lrange(handoff_keys(KEY)[0], 0, -1) == [b"handoff-b"]
+    store.release(KEY, "a-net")
+    assert lock_client.get(KEY) == b"handoff-b"
+    store.release(KEY, "handoff-b")  # b's woken copy ran and released
+    assert store.release(KEY, "x") is ReleaseOutcome.ALREADY_GONE
+    # Nothing parked any more: the flag is gone, the next release only reads it.
+    assert not lock_client.exists(handoff_keys(KEY)[3])
+
+
+def test_a_coalesced_run_frees_its_queued_key_only_when_granted(
+    store: LockStore, lock_client: redis.Redis
+) -> None:
+    queued = queued_key(KEY)
+    lock_client.set(queued, "queued-value", px=PARK_TTL)
+    assert store.acquire(KEY, "running", TTL).acquired
+    slot = (queued, "queued-value")
+    parked = store.park(KEY, "v", TTL, "h", "c", b"m", PARK_TTL, slot)
+    assert parked.parked
+    assert lock_client.get(queued) == b"queued-value"  # later calls still join it
+    store.release(KEY, "running")
+    assert store.park(KEY, "v", TTL, "h", "w", b"", PARK_TTL, slot).result.acquired
+    assert not lock_client.exists(queued)
+
+
+def test_debounce_moves_the_due_time_up_to_the_cap(
+    store: LockStore, lock_client: redis.Redis
+) -> None:
+    new, burst, due = store.debounce(KEY, "t1", 1000, 1500)
+    assert (new, burst) == (True, "t1") and due == pytest.approx(1.0)
+    new, burst, due = store.debounce(KEY, "t2", 1000, 1500)
+    assert (new, burst) == (False, "t1") and 0.9 <= due <= 1.0
+    assert 0.8 <= store.debounce_due(KEY, "t1") <= 1.0  # not yet: re-send
+    lock_client.hset(debounce_key(KEY), "due", 0)  # its time has come
+    assert store.debounce_due(KEY, "t1") == 0
+    assert not lock_client.exists(debounce_key(KEY))  # a new call starts a new burst
+    assert store.debounce_due(KEY, "t1") < 0  # a second delivery: run, never drop
+    assert store.debounce(KEY, "t3", 1000, 1500)[0]
+
+
+def test_plain_acl_rules_still_release_and_hand_off_needs_its_own(
+    redis_server_factory: Any,
+) -> None:
+    handoff_rules = ("+lpop", "+rpush", "+lrem", "+hset", "+hget", "+hdel", "+hsetnx")
+    server: RedisServer = redis_server_factory(
+        "--user", "plain", "on", ">pw", *LOCK_USER_RULES,
+        "--user", "parker", "on", ">pw", *LOCK_USER_RULES, *handoff_rules,
+    )  # fmt: skip
+    plain = LockStore(url=f"redis://plain:pw@127.0.0.1:{server.port}/0")
+    parker = LockStore(url=f"redis://parker:pw@127.0.0.1:{server.port}/0")
+    try:
+        # A user with the plain rules locks and releases as before.
+        assert plain.acquire(KEY, "v", TTL).acquired
+        assert plain.release(KEY, "v") is ReleaseOutcome.RELEASED
+        # Parking needs the list and hash commands, and says which.
+        assert plain.acquire(KEY, "holder", TTL).acquired
+        with pytest.raises(LockBackendError, match=r"can't run this command.*LPOP, RPUSH"):
+            plain.park(KEY, "w", TTL, "h", "c", b"m", PARK_TTL)
+        assert parker.park(KEY, "w", TTL, "h", "c", b"m", PARK_TTL).parked
+        assert parker.release(KEY, "holder") is ReleaseOutcome.RELEASED
+    finally:
+        plain.close()
+        parker.close()

@@ -160,8 +160,9 @@ def test_both_copies_of_a_parked_execution_arrive_and_the_body_runs_once(
     assert record.lrange("runs", 0, -1) == ["waiter"]
 
 
+@pytest.mark.parametrize("pool", ["threads", "prefork"])
 def test_coalescing_storm_never_loses_the_latest_change(
-    app_factory: Any, record: redis.Redis
+    app_factory: Any, record: redis.Redis, pool: str
 ) -> None:
     """1,000 calls over ~3 s against a 0.25 s body: the last body sees the final counter."""
     app = app_factory()
@@ -178,7 +179,7 @@ def test_coalescing_storm_never_loses_the_latest_change(
         return seen
 
     calls = 1000
-    with embedded_worker(app, "threads", 4):
+    with embedded_worker(app, pool, 4 if pool == "threads" else 2):
         deadline = time.time() + 3.0
         for n in range(calls):
             record.incr("counter")
@@ -253,15 +254,16 @@ def test_parked_executions_survive_a_threaded_release_storm(
     assert max(int(n) for n in record.lrange("overlap", 0, -1)) == 1
 
 
+@pytest.mark.parametrize("pool", ["threads", "prefork"])
 def test_a_debounced_burst_runs_once_a_window_after_its_last_call(
-    app: Celery, record: redis.Redis
+    app: Celery, record: redis.Redis, pool: str
 ) -> None:
     @app.task(base=SingletonTask, shared=False, lock_args=("account",), lock_debounce=0.6)
     def recompute(account: int) -> int:
         record.rpush("runs", f"{time.time()}|{record.get('counter')}")
         return account
 
-    with embedded_worker(app, "threads", 2):
+    with embedded_worker(app, pool, 2):
         results = []
         for _ in range(10):
             record.incr("counter")
@@ -316,3 +318,35 @@ def test_debounce_and_enqueue_together_are_refused(app: Celery) -> None:
         def both() -> None: ...
 
         both.name  # noqa: B018  (the proxy builds the task class on first use)
+
+
+@pytest.mark.fault
+def test_parked_executions_run_when_the_lock_store_restarts_empty(
+    app_factory: Any, record: redis.Redis, redis_server_factory: Any
+) -> None:
+    """The queue is lost with the store: the safety-net copy runs the parked execution."""
+    store_server = redis_server_factory()
+    app = app_factory(redislock_url=store_server.url_for(0), redislock_ttl=2)
+    release = threading.Event()
+
+    @app.task(
+        base=SingletonTask, shared=False, lock_args=(), lock_on_contention=HandOff(jitter=0.1)
+    )
+    def job(label: str, hold: bool) -> str:
+        record.rpush("runs", label)
+        if hold:
+            release.wait(20)
+        return label
+
+    key = job.lock_key_for(("x", False), {})
+    locks = store_server.client()
+    with embedded_worker(app, "threads", 2):
+        holder = job.delay("holder", True)
+        wait_until(lambda: record.llen("runs") == 1, timeout=20)
+        waiter = job.delay("waiter", False)
+        wait_until(lambda: locks.llen(handoff_keys(key)[0]) == 1, timeout=20)
+        store_server.restart()  # empty: the lock and the queue are gone
+        assert waiter.get(timeout=20) == "waiter"  # its safety net ran it
+        release.set()
+        assert holder.get(timeout=20) == "holder"
+    assert sorted(record.lrange("runs", 0, -1)) == ["holder", "waiter"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from importlib import metadata as _metadata
 
 import celery_redislock.startup  # noqa: F401  (connects the worker start check)
+from celery_redislock.aiolock import AsyncRedisLock
 from celery_redislock.exceptions import (
     AlreadyQueued,
     ConfigurationError,
@@ -46,6 +47,7 @@ except _metadata.PackageNotFoundError:  # imported from a source tree that is no
 
 __all__ = [
     "AlreadyQueued",
+    "AsyncRedisLock",
     "ConfigurationError",
     "Contention",
     "ContentionPolicy",

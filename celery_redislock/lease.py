@@ -23,7 +23,7 @@ from celery_redislock.renewer import native_lock, renewer
 from celery_redislock.settings import validate_ttl
 from celery_redislock.store import LockStore, ReleaseOutcome, RenewOutcome
 
-__all__ = ["LockHandle", "release_completely"]
+__all__ = ["LockHandle", "release_completely", "report_lost"]
 
 # The logger keeps the name the README documents (the module was lock.py).
 logger = logging.getLogger("celery_redislock.lock")
@@ -188,27 +188,7 @@ class LockHandle:
         self._renewing = False
         if self._dropped is not None:
             self._dropped.detach()  # the value is gone: nothing to take back
-        logger.error(
-            "lock %s of %s[%s] was lost (%s) after %.3fs; another execution may now run",
-            self.key,
-            self.task_name,
-            self.task_id,
-            reason,
-            self.held_for,
-        )
-        signals.lock_lost.send(
-            sender=self.sender,
-            key=self.key,
-            task_name=self.task_name,
-            task_id=self.task_id,
-            reason=reason,
-            held=self.held_for,
-        )
-        for callback in self._on_lost:
-            try:
-                callback(self)
-            except Exception:
-                logger.exception("lock-lost callback %r raised", callback)
+        report_lost(self, reason, self._on_lost)
 
     def extend(self, ttl: float | None = None) -> None:
         """Reset the lock's TTL now (to ``ttl`` seconds, default the lock's TTL).
@@ -332,6 +312,35 @@ class LockHandle:
             else outcome.name.lower(),
         )
         return outcome
+
+
+def report_lost(handle: Any, reason: str, callbacks: list[Callable[[Any], None]]) -> None:
+    """Report a lost lock: the ERROR log, ``lock_lost``, then each callback.
+
+    Every kind of handle (task, standalone, asyncio) reports a loss through
+    this, once, so operators see the same log line and signal for all.
+    """
+    logger.error(
+        "lock %s of %s[%s] was lost (%s) after %.3fs; another execution may now run",
+        handle.key,
+        handle.task_name,
+        handle.task_id,
+        reason,
+        handle.held_for,
+    )
+    signals.lock_lost.send(
+        sender=handle.sender,
+        key=handle.key,
+        task_name=handle.task_name,
+        task_id=handle.task_id,
+        reason=reason,
+        held=handle.held_for,
+    )
+    for callback in callbacks:
+        try:
+            callback(handle)
+        except Exception:
+            logger.exception("lock-lost callback %r raised", callback)
 
 
 def release_completely(release: Callable[[], Any]) -> None:

@@ -22,6 +22,7 @@ from celery_redislock.exceptions import (
     LockNotOwned,
 )
 from celery_redislock.lease import LockHandle, release_completely
+from celery_redislock.owners import Hold, Holds, thread_owner
 from celery_redislock.settings import validate_ttl
 from celery_redislock.store import AcquireResult, LockStore, ReleaseOutcome
 from celery_redislock.takeback import take_back_value
@@ -36,19 +37,23 @@ F = TypeVar("F", bound=Callable[..., Any])
 # Values this process's standalone locks sent in acquires that timed out,
 # per lock store and name: their scripts may have run after all. Bounded;
 # weak per store, so a dropped client takes its entries along.
-_UNSETTLED: weakref.WeakKeyDictionary[LockStore, dict[str, collections.deque[str]]] = (
+# (The async store keeps its values here too: the same rule, another store type.)
+_UNSETTLED: weakref.WeakKeyDictionary[Any, dict[str, collections.deque[str]]] = (
     weakref.WeakKeyDictionary()
 )
 _MAX_UNSETTLED = 8
 
+# The reentrant locks' holds of this process, per thread (see owners.py).
+_HOLDS: Holds[LockHandle] = Holds()
 
-def _unsettled(backend: LockStore, name: str) -> tuple[str, ...]:
+
+def _unsettled(backend: Any, name: str) -> tuple[str, ...]:
     """Values of ``name``'s acquires that timed out in this process (to take over)."""
     per_name = _UNSETTLED.get(backend)
     return tuple(per_name.get(name, ())) if per_name is not None else ()
 
 
-def _note_unsettled(backend: LockStore, name: str, value: str) -> None:
+def _note_unsettled(backend: Any, name: str, value: str) -> None:
     per_name = _UNSETTLED.get(backend)
     if per_name is None:
         per_name = _UNSETTLED.setdefault(backend, {})
@@ -58,7 +63,7 @@ def _note_unsettled(backend: LockStore, name: str, value: str) -> None:
     values.append(value)
 
 
-def _settle(backend: LockStore, name: str, adopted: tuple[str, ...]) -> None:
+def _settle(backend: Any, name: str, adopted: tuple[str, ...]) -> None:
     """Forget the ``adopted`` values: an acquire took them over (or found them gone)."""
     per_name = _UNSETTLED.get(backend)
     values = None if per_name is None else per_name.get(name)
@@ -83,6 +88,13 @@ class RedisLock:
         @RedisLock(client, "reports:daily")
         def build_report(): ...
 
+    With ``reentrant=True`` the lock is owned by the thread that took it:
+    the same thread may take it again (through this object or any other
+    ``RedisLock`` of the same name and client) without waiting; each
+    acquire needs its release, and only the last one frees the key. Redis
+    holds one ordinary value per outermost acquisition (one fence, one
+    renewal); the depth is counted in the process (see ``owners.py``).
+
     Args:
         client: A ``redis.Redis`` client.
         name: The Redis key of the lock, used as is.
@@ -97,6 +109,9 @@ class RedisLock:
             shared by every lock on ``client``'s connection pool (what lets
             one renewal round trip serve them all). Keep one instance per
             client and share it between locks for the same reason.
+        reentrant: Owned by the calling thread, which may take it again
+            (nested acquisitions share the outermost one's value and fence).
+            Another thread's release or extend raises ``LockNotOwned``.
     """
 
     def __init__(
@@ -109,6 +124,7 @@ class RedisLock:
         blocking: bool = True,
         timeout: float | None = None,
         store: LockStore | None = None,
+        reentrant: bool = False,
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ConfigurationError(f"RedisLock name must be a non-empty str, got {name!r}")
@@ -119,29 +135,56 @@ class RedisLock:
         self.timeout = timeout
         self.client = client
         self.backend = LockStore.for_client(client) if store is None else store
+        self.reentrant = reentrant
         self.handle: LockHandle | None = None
         self._last_contention = AcquireResult(False)
 
     def __repr__(self) -> str:
         return f"<RedisLock {self.name!r} {'held' if self.owned else 'free'}>"
 
+    def _hold(self) -> Hold[LockHandle] | None:
+        return _HOLDS.get(self.backend, self.name, thread_owner())
+
+    def _current(self) -> LockHandle | None:
+        if not self.reentrant:
+            return self.handle
+        hold = self._hold()
+        return None if hold is None else hold.handle
+
     @property
     def owned(self) -> bool:
-        """True while this object holds the lock (local check, no round trip)."""
-        return self.handle is not None and self.handle.owned
+        """True while this object (reentrant: the calling thread) holds the lock.
+
+        A local check, no round trip.
+        """
+        handle = self._current()
+        return handle is not None and handle.owned
 
     @property
     def lost(self) -> bool:
         """True when the renewer found the lock gone or taken over while held."""
-        return self.handle is not None and self.handle.lost
+        handle = self._current()
+        return handle is not None and handle.lost
 
     @property
     def fence(self) -> int | None:
-        """Fencing token of the current acquisition (``None`` when not held)."""
-        return None if self.handle is None else self.handle.fence
+        """Fencing token of the current (outermost) acquisition (``None`` when not held)."""
+        handle = self._current()
+        return None if handle is None else handle.fence
+
+    @property
+    def depth(self) -> int:
+        """Reentrant: how many times the calling thread holds it (0 when not held)."""
+        if not self.reentrant:
+            return 1 if self.handle is not None and not self.handle.released else 0
+        hold = self._hold()
+        return 0 if hold is None else hold.depth
 
     def acquire(self, blocking: bool | None = None, timeout: float | None = None) -> bool:
         """Take the lock.
+
+        A reentrant lock already held by the calling thread is taken again at
+        once: one round trip confirms it is still ours and extends it.
 
         Args:
             blocking: Wait for the holder to release (woken by its release
@@ -154,12 +197,33 @@ class RedisLock:
 
         Raises:
             LockBackendError: Redis is unreachable.
-            RuntimeError: this object already holds the lock.
+            LockNotOwned: reentrant, and the calling thread's outer
+                acquisition was lost (the nested code must not run as if
+                it held the lock).
+            RuntimeError: this (non-reentrant) object already holds the lock.
         """
         return self._acquire(blocking, timeout, scoped=False)
 
+    def _acquire_nested(self, hold: Hold[LockHandle]) -> bool:
+        if hold.handle.lost:
+            raise LockNotOwned(
+                self.name, f"the outer acquisition was lost ({hold.handle.lost_reason})"
+            )
+        hold.handle.extend()  # still ours? (raises LockNotOwned, marked lost, if not)
+        hold.depth += 1
+        return True
+
     def _acquire(self, blocking: bool | None, timeout: float | None, scoped: bool) -> bool:
-        if self.handle is not None and not self.handle.released:
+        owner: object = None
+        if self.reentrant:
+            owner = thread_owner()
+            hold = _HOLDS.get(self.backend, self.name, owner)
+            if hold is not None:
+                return self._acquire_nested(hold)
+            # The renewer holds it strongly: the hold, not this object, keeps
+            # it (another RedisLock of the same name may release it).
+            scoped = False
+        elif self.handle is not None and not self.handle.released:
             raise RuntimeError(f"RedisLock {self.name!r} is already held by this object")
         blocking = self.blocking if blocking is None else blocking
         timeout = self.timeout if timeout is None else timeout
@@ -176,7 +240,7 @@ class RedisLock:
             if not result.acquired:
                 self._contended(result)
                 return False
-            handle = self.handle = LockHandle(
+            handle = LockHandle(
                 self.backend,
                 self.name,
                 value,
@@ -188,6 +252,10 @@ class RedisLock:
                 renew=False,
                 fence=result.fence,
             )
+            if self.reentrant:
+                _HOLDS.add(self.backend, self.name, owner, handle)
+            else:
+                self.handle = handle
             if self.renew:
                 handle.start_renewal(scoped)
             if adopt:
@@ -214,6 +282,8 @@ class RedisLock:
             # may be in Redis, and the caller will not release what acquire()
             # did not report. Take it back out, then re-raise.
             self.handle = None
+            if self.reentrant:
+                _HOLDS.remove(self.backend, self.name, owner)
             if handle is not None:
                 release_completely(handle.release)
             else:
@@ -253,8 +323,16 @@ class RedisLock:
         """Release the lock if held; never raises a Redis error. See :meth:`LockHandle.release`.
 
         If an exception interrupts it, the release is completed first and the
-        exception re-raised.
+        exception re-raised. A reentrant lock is released by its owner
+        thread, once per acquire; only the last release is sent to Redis
+        (the nested ones return ``None``).
+
+        Raises:
+            LockNotOwned: reentrant, and the calling thread does not hold it
+                (another thread's lock, or released more times than acquired).
         """
+        if self.reentrant:
+            return self._release_reentrant()
         handle = self.handle
         if handle is None:
             return None
@@ -267,15 +345,47 @@ class RedisLock:
             self.handle = None
         return outcome
 
+    def _leave(self) -> LockHandle | None:
+        """Count one release of the calling thread; return the handle if it was the last.
+
+        Purely local (no round trip), so it is never half done and never
+        sent twice; the caller then releases the returned handle.
+        """
+        owner = thread_owner()
+        hold = _HOLDS.get(self.backend, self.name, owner)
+        if hold is None:
+            raise LockNotOwned(
+                self.name,
+                "the calling thread does not hold it (released more times than acquired?)",
+            )
+        if hold.depth > 1:
+            hold.depth -= 1
+            return None
+        _HOLDS.remove(self.backend, self.name, owner)
+        return hold.handle
+
+    def _release_reentrant(self) -> ReleaseOutcome | None:
+        handle = self._leave()
+        if handle is None:
+            return None
+        try:
+            return handle.release()
+        except BaseException:
+            handle.release()  # once more, then re-raise: deferred, not lost
+            raise
+
     def extend(self, ttl: float | None = None) -> None:
         """Reset the TTL now. See :meth:`LockHandle.extend`.
 
         Raises:
-            LockNotOwned: the lock is not held by this object.
+            LockNotOwned: the lock is not held by this object (reentrant: by
+                the calling thread).
         """
-        if self.handle is None:
-            raise LockNotOwned(self.name, "it is not held by this object")
-        self.handle.extend(ttl)
+        handle = self._current()
+        if handle is None:
+            holder = "the calling thread" if self.reentrant else "this object"
+            raise LockNotOwned(self.name, f"it is not held by {holder}")
+        handle.extend(ttl)
 
     def __enter__(self) -> RedisLock:
         # Scoped: if __exit__ never runs its release (an exception landing on
@@ -287,6 +397,13 @@ class RedisLock:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        if self.reentrant:
+            # Not retried as a whole: a second _leave() would count a
+            # release twice. The handle's release is resumable on its own.
+            handle = self._leave()
+            if handle is not None:
+                release_completely(handle.release)
+            return
         try:
             self.release()
         except BaseException:
@@ -325,6 +442,7 @@ class RedisLock:
                 blocking=self.blocking,
                 timeout=self.timeout,
                 store=self.backend,
+                reentrant=self.reentrant,
             )
             with lock:
                 return function(*args, **kwargs)

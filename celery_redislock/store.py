@@ -77,6 +77,9 @@ __all__ = [
     "ParkResult",
     "ReleaseOutcome",
     "RenewOutcome",
+    "backend_error",
+    "decode_text",
+    "release_call",
 ]
 
 # The logger keeps the name the README documents (the module was backend.py).
@@ -161,7 +164,40 @@ class ParkResult:
     already_ran: bool = False
 
 
-def _text(value: Any, encoding: str) -> str:
+def backend_error(exc: RedisError, operation: str, key: str, where: str) -> LockBackendError:
+    """The :class:`LockBackendError` for a redis-py error during ``operation`` on ``key``.
+
+    A refusal (ACL, unknown command) names the commands the lock needs.
+    """
+    if isinstance(exc, ResponseError):
+        detail = str(exc)
+        lowered = detail.lower()
+        refused = ("noperm", "no permissions", "unknown command", "can't run this command")
+        if any(marker in lowered for marker in refused):
+            detail += (
+                " (the lock store must allow EVAL/EVALSHA, GET, SET, PEXPIRE, PTTL, DEL, "
+                "TIME and PUBLISH on the lock keys for this user, SUBSCRIBE for the "
+                "wait policy, and LPOP, RPUSH, LREM, HSET, HGET, HDEL and HSETNX for "
+                "hand-off, coalescing and debounce; see the README's ACL section)"
+            )
+        return LockBackendError(f"Redis at {where} refused to {operation} lock {key!r}: {detail}")
+    return LockBackendError(
+        f"cannot {operation} lock {key!r}: Redis at {where} is unavailable "
+        f"({type(exc).__name__}: {exc})"
+    )
+
+
+def release_call(
+    key: str, match: str, mode: str, keep: str, keep_ms: int, handoff_ttl_ms: int
+) -> tuple[tuple[str, ...], tuple[Any, ...]]:
+    """KEYS and ARGV of ``RELEASE_SCRIPT``: one place for the sync and asyncio stores."""
+    waiters, parked, _, parking = handoff_keys(key)
+    args = (match, mode, release_channel(key), keep, max(keep_ms, 1), handoff_ttl_ms)
+    return (key, waiters, parked, parking), args
+
+
+def decode_text(value: Any, encoding: str) -> str:
+    """A reply (bytes or str) as text."""
     if isinstance(value, bytes):
         return value.decode(encoding, "replace")
     return str(value)
@@ -374,7 +410,7 @@ class LockStore:
                 for script, reply in zip(sources, replies, strict=True):
                     if isinstance(reply, ResponseError):
                         raise reply
-                    if _text(reply, endpoint.encoding) != script.sha:
+                    if decode_text(reply, endpoint.encoding) != script.sha:
                         raise ResponseError(f"SCRIPT LOAD answered {reply!r}, not {script.sha}")
             return len(primaries)
         except ResponseError as exc:
@@ -393,25 +429,8 @@ class LockStore:
     def _errors(self, operation: str, key: str) -> Iterator[None]:
         try:
             yield
-        except ResponseError as exc:
-            detail = str(exc)
-            lowered = detail.lower()
-            refused = ("noperm", "no permissions", "unknown command", "can't run this command")
-            if any(marker in lowered for marker in refused):
-                detail += (
-                    " (the lock store must allow EVAL/EVALSHA, GET, SET, PEXPIRE, PTTL, DEL, "
-                    "TIME and PUBLISH on the lock keys for this user, SUBSCRIBE for the "
-                    "wait policy, and LPOP, RPUSH, LREM, HSET, HGET, HDEL and HSETNX for "
-                    "hand-off, coalescing and debounce; see the README's ACL section)"
-                )
-            raise LockBackendError(
-                f"Redis at {self.describe()} refused to {operation} lock {key!r}: {detail}"
-            ) from exc
         except RedisError as exc:
-            raise LockBackendError(
-                f"cannot {operation} lock {key!r}: Redis at {self.describe()} is unavailable "
-                f"({type(exc).__name__}: {exc})"
-            ) from exc
+            raise backend_error(exc, operation, key, self.describe()) from exc
 
     # -- operations ------------------------------------------------------
 
@@ -462,7 +481,7 @@ class LockStore:
         pttl = int(reply[2])
         return AcquireResult(
             False,
-            _text(reply[1], self._topology(_Kind.COMMANDS).endpoint_for(key).encoding),
+            decode_text(reply[1], self._topology(_Kind.COMMANDS).endpoint_for(key).encoding),
             pttl / 1000.0 if pttl >= 0 else None,
             sent_at=sent_at,
         )
@@ -529,7 +548,7 @@ class LockStore:
         return ParkResult(
             AcquireResult(
                 False,
-                None if reply[1] is None else _text(reply[1], encoding),
+                None if reply[1] is None else decode_text(reply[1], encoding),
                 pttl / 1000.0 if pttl >= 0 else None,
                 sent_at=sent_at,
             ),
@@ -550,7 +569,7 @@ class LockStore:
                 scripts.DEBOUNCE, (debounce_key(key),), (task_id, window_ms, max_wait_ms, ttl_ms)
             )
         encoding = self._topology(_Kind.COMMANDS).endpoint_for(key).encoding
-        return bool(int(reply[0])), _text(reply[1], encoding), int(reply[2]) / 1000.0
+        return bool(int(reply[0])), decode_text(reply[1], encoding), int(reply[2]) / 1000.0
 
     def debounce_due(self, key: str, task_id: str, forget: bool = False) -> float:
         """Seconds until ``task_id``'s debounced run is due; 0 (or less): run now.
@@ -734,7 +753,7 @@ class LockStore:
         pttl = int(reply[2])
         return AcquireResult(
             False,
-            _text(reply[1], self._topology(_Kind.COMMANDS).endpoint_for(key).encoding),
+            decode_text(reply[1], self._topology(_Kind.COMMANDS).endpoint_for(key).encoding),
             pttl / 1000.0 if pttl >= 0 else None,
             sent_at=sent_at,
         )
@@ -765,7 +784,7 @@ class LockStore:
             _, waiter, message = reply
             if isinstance(message, str):  # a client with decode_responses
                 message = message.encode("utf-8")
-            self._hand_off(key, _text(waiter, "utf-8"), message)
+            self._hand_off(key, decode_text(waiter, "utf-8"), message)
             return ReleaseOutcome.RELEASED
         return ReleaseOutcome(reply)
 
@@ -843,7 +862,7 @@ class LockStore:
                 for position, index in enumerate(indices):
                     value, pttl, fence = replies[position * 3 : position * 3 + 3]
                     out[index] = (
-                        None if value is None else _text(value, endpoint.encoding),
+                        None if value is None else decode_text(value, endpoint.encoding),
                         pttl / 1000.0 if value is not None and pttl >= 0 else None,
                         int(fence) if fence is not None else None,
                     )
@@ -862,7 +881,7 @@ class LockStore:
                 cursor = b"0"
                 while True:
                     cursor, found = endpoint.call("SCAN", cursor, "MATCH", match, "COUNT", batch)
-                    keys = [_text(key, endpoint.encoding) for key in found]
+                    keys = [decode_text(key, endpoint.encoding) for key in found]
                     keys = [key for key in keys if not key.endswith(_NOT_LOCKS)]
                     if keys:
                         yield keys
@@ -984,21 +1003,11 @@ class LockStore:
         (A hand-off in a lost reply is not published: the parked
         execution's re-sent copy runs at its countdown instead.)
         """
-        args = (
-            match,
-            mode,
-            release_channel(key),
-            keep,
-            max(keep_ms, 1),
-            self.handoff_ttl_ms,
-        )
-        waiters, parked, _, parking = handoff_keys(key)
+        keys, args = release_call(key, match, mode, keep, keep_ms, self.handoff_ttl_ms)
         attempts = 0
 
         def make(endpoint: Endpoint) -> Callable[[Any], Any]:
-            run_script = scripts.RELEASE.exchange(
-                (key, waiters, parked, parking), args, endpoint.encoding
-            )
+            run_script = scripts.RELEASE.exchange(keys, args, endpoint.encoding)
 
             def counted(connection: Any) -> Any:
                 nonlocal attempts

@@ -261,6 +261,16 @@ class SingletonTaskMixin(_TaskBase):
         request = self.request
         if request.called_directly:
             return super().__call__(*args, **kwargs)
+        running: Execution | None = self._redislock_held.top
+        if running is not None and running.request.id == request.id:
+            # Called from inside its own running body (``job(x)`` in ``job``):
+            # the request is a copy of the running one (same id; the stack is
+            # this thread's), so it would look like the running delivery, and
+            # the same key like a redelivered copy of it (retried until the
+            # holder, itself, ends: endless in eager mode). It is a
+            # direct call: a plain function call in the execution that holds
+            # the lock, with no lock of its own (see the README).
+            return super().__call__(*args, **kwargs)
         settings = self._lock_settings()
         if not settings.enabled:
             return super().__call__(*args, **kwargs)

@@ -229,10 +229,12 @@ class Script:
         self.source = source
         self.sha = hashlib.sha1(source.encode()).hexdigest()
 
-    def _evalsha(self, keys: Sequence[str], args: Sequence[Any]) -> list[Any]:
+    def evalsha_command(self, keys: Sequence[str], args: Sequence[Any]) -> list[Any]:
+        """The ``EVALSHA`` command running the script on ``keys`` and ``args``."""
         return ["EVALSHA", self.sha, len(keys), *keys, *args]
 
-    def _eval(self, keys: Sequence[str], args: Sequence[Any]) -> list[Any]:
+    def eval_command(self, keys: Sequence[str], args: Sequence[Any]) -> list[Any]:
+        """The ``EVAL`` command (sends the source; caches it again after a flush)."""
         return ["EVAL", self.source, len(keys), *keys, *args]
 
     def exchange(
@@ -243,13 +245,13 @@ class Script:
         Raises (from the exchange):
             ResponseError: the script failed or the server refused it.
         """
-        packed = pack_command(self._evalsha(keys, args), encoding)
+        packed = pack_command(self.evalsha_command(keys, args), encoding)
 
         def run(connection: Any) -> Any:
             (reply,) = _send_and_read(connection, packed, 1)
             if isinstance(reply, NoScriptError):
                 (reply,) = _send_and_read(
-                    connection, pack_command(self._eval(keys, args), encoding), 1
+                    connection, pack_command(self.eval_command(keys, args), encoding), 1
                 )
             if isinstance(reply, ResponseError):
                 raise reply
@@ -273,11 +275,15 @@ class Script:
         encoding = endpoint.encoding
 
         def run(connection: Any) -> list[Any]:
-            packed = b"".join(pack_command(self._evalsha(k, a), encoding) for k, a in prepared)
+            packed = b"".join(
+                pack_command(self.evalsha_command(k, a), encoding) for k, a in prepared
+            )
             replies = _send_and_read(connection, packed, len(prepared))
             missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
             if missing:
-                again = b"".join(pack_command(self._eval(*prepared[i]), encoding) for i in missing)
+                again = b"".join(
+                    pack_command(self.eval_command(*prepared[i]), encoding) for i in missing
+                )
                 for index, reply in zip(
                     missing, _send_and_read(connection, again, len(missing)), strict=True
                 ):

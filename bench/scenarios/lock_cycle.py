@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 
+import redis.asyncio
+
 from bench.harness import count_round_trips, peers_available
 from bench.report import Report
-from celery_redislock import RedisLock
+from celery_redislock import AsyncRedisLock, RedisLock
+from celery_redislock.aiostore import AsyncLockStore
 from tests.servers import RedisServer
 
 
@@ -26,9 +30,42 @@ def lock_cycle(report: Report, rounds: int, seconds: float) -> None:
         lock.acquire(blocking=False)
         lock.release()
 
+    def ours_reentrant(i: int) -> None:
+        lock = RedisLock(client, f"cycle:{i}", ttl=30, reentrant=True)
+        lock.acquire(blocking=False)
+        lock.release()
+
+    def ours_reentrant_nested(i: int) -> None:
+        # Depth 2: the nested acquire is one round trip (it confirms and
+        # extends); the nested release is local.
+        lock = RedisLock(client, f"cycle:{i}", ttl=30, reentrant=True)
+        lock.acquire(blocking=False)
+        lock.acquire(blocking=False)
+        lock.release()
+        lock.release()
+
+    # The asyncio locks run on one event loop driven from this thread; the
+    # redis-py asyncio Lock row pays the same run_until_complete overhead.
+    loop = asyncio.new_event_loop()
+    async_client = redis.asyncio.Redis(port=server.port)
+
+    async def async_ours(i: int) -> None:
+        lock = AsyncRedisLock(async_client, f"cycle:{i}", ttl=30)
+        await lock.acquire(blocking=False)
+        await lock.release()
+
+    async def async_redis_py(i: int) -> None:
+        lock = async_client.lock(f"cycle:{i}", timeout=30)
+        await lock.acquire(blocking=False)
+        await lock.release()
+
     cycles: dict[str, Callable[[int], None]] = {
         "redis-py Lock": redis_py,
         "celery-redislock RedisLock": ours,
+        "celery-redislock RedisLock(reentrant=True)": ours_reentrant,
+        "celery-redislock RedisLock(reentrant=True), depth 2": ours_reentrant_nested,
+        "redis-py asyncio Lock": lambda i: loop.run_until_complete(async_redis_py(i)),
+        "celery-redislock AsyncRedisLock": lambda i: loop.run_until_complete(async_ours(i)),
     }
     if available["redis_lock"]:
         import redis_lock
@@ -80,4 +117,7 @@ def lock_cycle(report: Report, rounds: int, seconds: float) -> None:
                 flush=True,
             )
     finally:
+        loop.run_until_complete(AsyncLockStore.for_client(async_client).aclose())
+        loop.run_until_complete(async_client.aclose())
+        loop.close()
         server.close()

@@ -24,53 +24,81 @@ def renewal_at_scale(report: Report, rounds: int, sizes: list[int], hold: float)
     try:
         for size in sizes:
             scenario = f"3. renewal at scale ({size} locks, TTL {ttl:g}s, held {hold:g}s)"
-            for round_no in range(rounds):
-                server.client().flushall()
-                locks = [RedisLock(client, f"renew:{round_no}:{i}", ttl=ttl) for i in range(size)]
-                for lock in locks:
-                    lock.acquire(blocking=False)
-                trips_before, cpu_before = renewer().round_trips, time.process_time()
-                handles = [lock.handle for lock in locks]
-                time.sleep(hold)
-                ticks = max(h.renewals for h in handles if h is not None)
-                trips = renewer().round_trips - trips_before
-                cpu = time.process_time() - cpu_before
-                alive = sum(client.exists(lock.name) for lock in locks)
-                lost = sum(lock.lost for lock in locks)
-                for lock in locks:
-                    lock.release()
-                report.add(
-                    scenario,
-                    "celery-redislock (one renewer thread)",
-                    "round trips per tick",
-                    "round trips",
-                    trips / max(ticks, 1),
-                )
-                report.add(
-                    scenario,
-                    "celery-redislock (one renewer thread)",
-                    "locks per round trip",
-                    "locks",
-                    size * ticks / max(trips, 1),
-                )
-                report.add(
-                    scenario,
-                    "celery-redislock (one renewer thread)",
-                    "process CPU per tick",
-                    "ms",
-                    1000 * cpu / max(ticks, 1),
-                )
-                report.add(
-                    scenario,
-                    "celery-redislock (one renewer thread)",
-                    "locks expired or lost",
-                    "locks",
-                    (size - alive) + lost,
-                )
+            variants = [
+                ("celery-redislock (one renewer thread)", False),
+                # Reentrant locks ride the same batched tick as plain ones.
+                ("celery-redislock, half reentrant at depth 2", True),
+            ]
+            for contender, mixed in variants:
+                for _ in range(rounds):
+                    _renewal_round(
+                        report, scenario, contender, mixed, client, server, size, ttl, hold
+                    )
             if size <= 1000 and available["redis_lock"]:
                 _python_redis_lock_renewal(report, client, server, rounds, size, ttl, hold)
     finally:
         server.close()
+
+
+def _renewal_round(
+    report: Report,
+    scenario: str,
+    contender: str,
+    mixed: bool,
+    client: redis.Redis,
+    server: RedisServer,
+    size: int,
+    ttl: float,
+    hold: float,
+) -> None:
+    server.client().flushall()
+    locks = [
+        RedisLock(client, f"renew:{i}", ttl=ttl, reentrant=mixed and i % 2 == 1)
+        for i in range(size)
+    ]
+    for lock in locks:
+        lock.acquire(blocking=False)
+        if lock.reentrant:
+            lock.acquire(blocking=False)
+    trips_before, cpu_before = renewer().round_trips, time.process_time()
+    handles = [lock._current() for lock in locks]  # (a reentrant lock's: this thread's)
+    time.sleep(hold)
+    ticks = max(h.renewals for h in handles if h is not None)
+    trips = renewer().round_trips - trips_before
+    cpu = time.process_time() - cpu_before
+    alive = sum(client.exists(lock.name) for lock in locks)
+    lost = sum(lock.lost for lock in locks)
+    for lock in locks:
+        for _ in range(lock.depth):
+            lock.release()
+    report.add(
+        scenario,
+        contender,
+        "round trips per tick",
+        "round trips",
+        trips / max(ticks, 1),
+    )
+    report.add(
+        scenario,
+        contender,
+        "locks per round trip",
+        "locks",
+        size * ticks / max(trips, 1),
+    )
+    report.add(
+        scenario,
+        contender,
+        "process CPU per tick",
+        "ms",
+        1000 * cpu / max(ticks, 1),
+    )
+    report.add(
+        scenario,
+        contender,
+        "locks expired or lost",
+        "locks",
+        (size - alive) + lost,
+    )
 
 
 def _python_redis_lock_renewal(

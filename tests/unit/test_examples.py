@@ -32,3 +32,6 @@ def test_example_runs(module: str, server: RedisServer) -> None:
     else:
         assert "index rebuilt; lock still ours: True" in done.stdout
         assert "compacted" in done.stdout
+        assert "posted refund-42 at depth 2" in done.stdout
+        assert "ledger free again: True" in done.stdout
+        assert "async report built; lock still ours: True" in done.stdout

@@ -224,3 +224,40 @@ def test_real_celery_command(server: RedisServer, lock_client: redis.Redis) -> N
         timeout=60,
     )
     assert wrong_app.returncode == 2 and "Unable to load celery application" in wrong_app.stderr
+
+
+def test_ls_lists_standalone_reentrant_and_async_locks_held_under_the_prefix(
+    app: Celery, lock_client: redis.Redis, server: RedisServer
+) -> None:
+    """They store an ordinary string value: the inventory and `ls` read them like any lock."""
+    import asyncio
+
+    import redis.asyncio
+
+    from celery_redislock import AsyncRedisLock, RedisLock
+    from celery_redislock.aiostore import AsyncLockStore
+    from tests.conftest import LOCK_DB
+
+    prefix = LockInventory(app).prefix
+    reentrant = RedisLock(lock_client, f"{prefix}:cron:nested", ttl=30, reentrant=True)
+    assert reentrant.acquire() and reentrant.acquire()
+
+    async def held_by_async_lock() -> Result:
+        client = redis.asyncio.Redis(port=server.port, db=LOCK_DB)
+        try:
+            async with AsyncRedisLock(client, f"{prefix}:web:report", ttl=30):
+                return await asyncio.to_thread(invoke, app, "ls", "--json")
+        finally:
+            await AsyncLockStore.for_client(client).aclose()
+            await client.aclose()
+
+    try:
+        result = asyncio.run(held_by_async_lock())
+    finally:
+        reentrant.release()
+        reentrant.release()
+    assert result.exit_code == 0, result.output
+    listed = {item["key"]: item for item in json.loads(result.output)}
+    assert set(listed) == {f"{prefix}:cron:nested", f"{prefix}:web:report"}
+    assert all(item["pid"] == os.getpid() and item["fence"] > 0 for item in listed.values())
+    assert lock_client.exists(f"{prefix}:cron:nested") == 0

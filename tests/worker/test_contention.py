@@ -23,7 +23,7 @@ from celery_redislock import (
 )
 from celery_redislock.task import LOCK_RETRIES_HEADER
 from tests.conftest import BROKER_DB, embedded_worker
-from tests.helpers import hold_lock
+from tests.helpers import held_locks, hold_lock
 from tests.servers import RedisServer, wait_until
 
 pytestmark = pytest.mark.worker
@@ -285,3 +285,34 @@ def test_a_waiter_whose_subscription_drops_resubscribes_and_runs(
         backend.release(key, value)
         assert result.get(timeout=20) == "ran"
     assert record.lrange("runs", 0, -1) == [result.id]
+
+
+def test_nested_calls_inside_a_running_task(app: Celery, lock_client: redis.Redis) -> None:
+    """Tasks are not reentrant. A direct call inside the body is a plain call in the
+    running execution (no lock of its own); a same-key apply() is another execution:
+    it meets the held lock and follows the policy; another key runs."""
+    seen: dict[str, Any] = {}
+
+    @app.task(
+        base=SingletonTask, bind=True, shared=False, lock_on_contention="skip", lock_args=["n"]
+    )
+    def job(self: Any, n: int, nest: bool = False) -> str:
+        if nest:
+            seen["held"] = lock_client.get(self.lock.key)
+            seen["direct"] = job(n)  # a direct call inside the running task
+            seen["still held"] = lock_client.get(self.lock.key)
+            seen["apply"] = job.apply((n,)).get()
+            seen["other key"] = job.apply((n + 1,)).get()
+        return "ran"
+
+    assert job.apply((1, True)).get() == "ran"  # eager
+    assert seen["direct"] == "ran" and seen["still held"] == seen["held"] is not None
+    assert is_skipped(seen["apply"])
+    assert seen["other key"] == "ran"
+    assert held_locks(lock_client) == []
+    seen.clear()
+    with embedded_worker(app, "threads", 2):  # and in a worker
+        assert job.delay(5, True).get(timeout=30) == "ran"
+    assert seen["direct"] == "ran" and seen["still held"] == seen["held"] is not None
+    assert is_skipped(seen["apply"]) and seen["other key"] == "ran"
+    assert held_locks(lock_client) == []

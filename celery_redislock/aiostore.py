@@ -1,0 +1,518 @@
+"""The lock store for ``redis.asyncio``: the same scripts, keys and values, awaited.
+
+The asyncio counterpart of :mod:`celery_redislock.transport` and
+:mod:`celery_redislock.store`, used by
+:class:`~celery_redislock.aiolock.AsyncRedisLock`. It runs the very scripts of
+:mod:`celery_redislock.scripts` (same SHA1s), on the same keys, with values in
+the format of :mod:`celery_redislock.tokens`: a sync and an async lock of the
+same name exclude each other.
+
+The transport rule is the sync one, and matters more here: cancelling a
+coroutine is an exception landing between sending a command and reading its
+reply. A connection goes back to the idle set only after its exchange read
+every reply; anything else that ends an exchange (``CancelledError``, a
+timeout, an error) closes it at once, without awaiting, so no later command
+can read an earlier command's reply.
+
+Connections are ``redis.asyncio`` connections made from the client's pool
+settings (RESP2, raw bytes, no retry inside ``connect()``); they belong to the
+event loop that made them, so each loop has its own idle set. A single
+server only (``redis://``, ``rediss://``, ``unix://``): an asyncio cluster or
+Sentinel client is refused with a clear error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import os
+import threading
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import redis.asyncio
+import redis.asyncio.sentinel
+from redis.exceptions import ConnectionError, NoScriptError, RedisError, ResponseError, TimeoutError
+
+from celery_redislock import scripts
+from celery_redislock._clock import clock
+from celery_redislock.exceptions import ConfigurationError
+from celery_redislock.keys import fence_key, release_channel
+from celery_redislock.store import (
+    RENEW_CHUNK_SIZE,
+    AcquireResult,
+    ReleaseOutcome,
+    RenewOutcome,
+    backend_error,
+    decode_text,
+    release_call,
+)
+from celery_redislock.transport import Script, connection_settings, pack_command
+
+__all__ = ["AsyncEndpoint", "AsyncLockStore", "AsyncSubscription"]
+
+T = TypeVar("T")
+
+# The sync store's logger (the module was backend.py): the same events, one name.
+logger = logging.getLogger("celery_redislock.backend")
+
+#: How long a key handed to a parked execution is held for it (as LockStore's).
+HANDOFF_TTL_MS = 30_000
+
+#: An exchange: send on a connection, read every reply, return the result.
+Exchange = Callable[[Any], Awaitable[T]]
+
+_FIXED = {"decode_responses": False, "protocol": 2}
+_DROPPED = ("retry", "connection_pool")
+#: Times one wait subscribes again after its subscription dropped.
+_RESUBSCRIPTIONS = 3
+
+
+def drop_connection(connection: Any) -> None:
+    """Close ``connection`` now, without awaiting (safe inside a cancelled coroutine).
+
+    ``abort()`` discards anything not yet written and closes the socket; the
+    connection reconnects if it is ever used again, but the transport never
+    reuses it.
+    """
+    writer = getattr(connection, "_writer", None)
+    with contextlib.suppress(Exception):
+        connection._parser.on_disconnect()
+    if writer is not None:
+        with contextlib.suppress(Exception):
+            writer.transport.abort()
+    connection._reader = connection._writer = None
+
+
+class AsyncEndpoint:
+    """One Redis server for one kind of caller, with an idle set per event loop.
+
+    Args:
+        make_connection: Builds a new (unconnected) ``redis.asyncio`` connection.
+        retries: Times a whole exchange is tried again after a connection or
+            timeout error, on a fresh connection.
+        encoding: How ``str`` arguments are encoded.
+    """
+
+    def __init__(
+        self, make_connection: Callable[[], Any], retries: int, encoding: str = "utf-8"
+    ) -> None:
+        self._make = make_connection
+        self.retries = retries
+        self.encoding = encoding
+        self._idle: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, collections.deque[Any]]
+        self._idle = weakref.WeakKeyDictionary()
+        self._pid = os.getpid()
+
+    def _idle_set(self) -> collections.deque[Any]:
+        if self._pid != os.getpid():
+            # A forked child: the parent's sockets are left to the parent.
+            self._idle, self._pid = weakref.WeakKeyDictionary(), os.getpid()
+        loop = asyncio.get_running_loop()
+        idle = self._idle.get(loop)
+        if idle is None:
+            idle = self._idle.setdefault(loop, collections.deque())
+        return idle
+
+    def idle_connections(self) -> list[Any]:
+        """The idle connections of the running loop (for tests)."""
+        return list(self._idle_set())
+
+    async def run(self, exchange: Exchange[T]) -> T:
+        """Run ``exchange(connection)`` on an idle connection of the running loop.
+
+        The connection is kept only if the exchange returned; on any
+        exception (cancellation included) it is closed at once and dropped.
+        """
+        idle = self._idle_set()
+        attempt = 0
+        while True:
+            try:
+                connection = idle.pop()
+            except IndexError:
+                connection = self._make()
+            try:
+                result = await exchange(connection)
+            except (ConnectionError, TimeoutError):
+                drop_connection(connection)
+                attempt += 1
+                if attempt > self.retries:
+                    raise
+                continue
+            except BaseException:
+                drop_connection(connection)
+                raise
+            idle.append(connection)
+            return result
+
+    async def call(self, *args: Any) -> Any:
+        """Send one command and return its reply."""
+        packed = pack_command(args, self.encoding)
+
+        async def exchange(connection: Any) -> Any:
+            return (await send_and_read(connection, packed, 1))[0]
+
+        reply = await self.run(exchange)
+        if isinstance(reply, ResponseError):
+            raise reply
+        return reply
+
+    def new_connection(self) -> Any:
+        """A connection of its own (for a subscription), never put in the idle set."""
+        return self._make()
+
+    async def close(self) -> None:
+        """Disconnect the running loop's idle connections."""
+        idle = self._idle_set()
+        while idle:
+            connection = idle.pop()
+            try:
+                await connection.disconnect()
+            except BaseException:
+                drop_connection(connection)
+                raise
+
+
+async def send_and_read(connection: Any, packed: bytes, replies: int) -> list[Any]:
+    """Send ``packed`` and read ``replies`` replies (error replies returned in place)."""
+    await connection.connect()
+    await connection.send_packed_command([packed], check_health=False)
+    out: list[Any] = []
+    for _ in range(replies):
+        try:
+            out.append(await connection.read_response(disconnect_on_error=False))
+        except ResponseError as error:  # an error reply: fully read, keep reading
+            out.append(error)
+    return out
+
+
+def script_exchange(
+    script: Script, keys: Sequence[str], args: Sequence[Any], encoding: str
+) -> Exchange[Any]:
+    """An exchange running ``script`` once by SHA1 (re-sent as ``EVAL`` after ``NOSCRIPT``)."""
+    packed = pack_command(script.evalsha_command(keys, args), encoding)
+
+    async def run(connection: Any) -> Any:
+        (reply,) = await send_and_read(connection, packed, 1)
+        if isinstance(reply, NoScriptError):
+            again = pack_command(script.eval_command(keys, args), encoding)
+            (reply,) = await send_and_read(connection, again, 1)
+        if isinstance(reply, ResponseError):
+            raise reply
+        return reply
+
+    return run
+
+
+def script_many_exchange(
+    script: Script, calls: Sequence[tuple[Sequence[str], Sequence[Any]]], encoding: str
+) -> Exchange[list[Any]]:
+    """An exchange running ``script`` once per ``(keys, args)`` in one pipelined write."""
+
+    async def run(connection: Any) -> list[Any]:
+        packed = b"".join(pack_command(script.evalsha_command(k, a), encoding) for k, a in calls)
+        replies = await send_and_read(connection, packed, len(calls))
+        missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+        if missing:
+            again = b"".join(
+                pack_command(script.eval_command(*calls[i]), encoding) for i in missing
+            )
+            resent = await send_and_read(connection, again, len(missing))
+            for index, reply in zip(missing, resent, strict=True):
+                replies[index] = reply
+        for reply in replies:
+            if isinstance(reply, ResponseError):
+                raise reply
+        return replies
+
+    return run
+
+
+class AsyncSubscription:
+    """A pub/sub subscription to one channel on a connection of its own.
+
+    The connection is never reused: leaving the ``async with`` block, a
+    wait that timed out, and any exception close it.
+    """
+
+    def __init__(self, endpoint: AsyncEndpoint, channel: str) -> None:
+        self._endpoint = endpoint
+        self._channel = channel
+        self._connection = endpoint.new_connection()
+
+    async def __aenter__(self) -> AsyncSubscription:
+        packed = pack_command(("SUBSCRIBE", self._channel), self._endpoint.encoding)
+        try:
+            await send_and_read(self._connection, packed, 1)
+        except BaseException:
+            drop_connection(self._connection)
+            raise
+        return self
+
+    async def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for a message; True if one came.
+
+        False means the subscription is closed (a read cut off by its
+        timeout may have left part of a message unread): subscribe again.
+        """
+        try:
+            message = await self._connection.read_response(
+                timeout=max(timeout, 0.001), disconnect_on_error=False
+            )
+        except BaseException:
+            drop_connection(self._connection)
+            raise
+        if message is None:
+            drop_connection(self._connection)
+            return False
+        return True
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        drop_connection(self._connection)
+
+
+# Stores shared by every AsyncRedisLock on one client, keyed weakly by its pool.
+_SHARED: weakref.WeakKeyDictionary[Any, AsyncLockStore] = weakref.WeakKeyDictionary()
+_SHARED_GUARD = threading.Lock()
+
+
+class AsyncLockStore:
+    """Lock operations against one Redis server, for ``redis.asyncio`` clients.
+
+    Three sets of connections, as in the sync store: ``commands`` (acquire,
+    extend; the client's timeouts, two retries), ``releases`` (the renewal
+    timeout, one retry) and ``renewals`` (the loop's renewer task only; the
+    renewal timeout, no retry).
+
+    Args:
+        client: A ``redis.asyncio.Redis`` client (single server). The store
+            keeps no reference to it.
+        renew_timeout: Socket timeout of the renewal and release connections.
+        fence_ttl: Seconds a key's fence counter outlives its last acquisition.
+
+    Raises:
+        ConfigurationError: ``client`` is not a single-server
+            ``redis.asyncio.Redis`` (a cluster or Sentinel client).
+    """
+
+    def __init__(
+        self, client: redis.asyncio.Redis, renew_timeout: float = 0.5, fence_ttl: float = 3600.0
+    ) -> None:
+        pool = getattr(client, "connection_pool", None)
+        if not isinstance(client, redis.asyncio.Redis) or pool is None:
+            raise ConfigurationError(
+                f"AsyncRedisLock needs a redis.asyncio.Redis client, got {type(client).__name__}"
+            )
+        if isinstance(pool, redis.asyncio.sentinel.SentinelConnectionPool):
+            raise ConfigurationError(
+                "AsyncRedisLock supports a single Redis server (redis://, rediss://, unix://), "
+                "not an asyncio Sentinel client; use the sync RedisLock for Sentinel"
+            )
+        kwargs = {
+            name: value
+            for name, value in connection_settings(pool.connection_kwargs).items()
+            if name not in _DROPPED
+        }
+        self.renew_timeout = renew_timeout
+        self.fence_ttl_ms = int(fence_ttl * 1000)
+        encoding = kwargs.get("encoding", "utf-8")
+        self.where = (
+            f"unix://{kwargs['path']}"
+            if "path" in kwargs
+            else f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}"
+        )
+        connection_class = pool.connection_class
+
+        def maker(**overrides: Any) -> Callable[[], Any]:
+            settings = {**kwargs, **overrides, **_FIXED}
+            return lambda: connection_class(**settings)
+
+        short = {"socket_timeout": renew_timeout, "socket_connect_timeout": renew_timeout}
+        self.commands = AsyncEndpoint(maker(), 2, encoding)
+        self.releases = AsyncEndpoint(maker(**short), 1, encoding)
+        self.renewals = AsyncEndpoint(maker(**short), 0, encoding)
+
+    def __repr__(self) -> str:
+        return f"<AsyncLockStore {self.where}>"
+
+    @classmethod
+    def for_client(cls, client: redis.asyncio.Redis) -> AsyncLockStore:
+        """Return the store shared by every lock on ``client``'s connection pool.
+
+        Sharing it is what lets a loop's renewer task serve all of them in
+        one round trip per tick.
+        """
+        pool = getattr(client, "connection_pool", None)
+        if pool is None:
+            return cls(client)  # raises the clear error
+        store = _SHARED.get(pool)
+        if store is None:
+            with _SHARED_GUARD:
+                store = _SHARED.get(pool)
+                if store is None:
+                    store = _SHARED[pool] = cls(client)
+        return store
+
+    @contextlib.asynccontextmanager
+    async def _errors(self, operation: str, key: str) -> AsyncIterator[None]:
+        try:
+            yield
+        except RedisError as exc:
+            raise backend_error(exc, operation, key, self.where) from exc
+
+    # -- operations ------------------------------------------------------
+
+    async def acquire(
+        self, key: str, value: str, ttl_ms: int, adopt: Sequence[str] = ()
+    ) -> AcquireResult:
+        """Take the lock if free, already ours, or holding a value in ``adopt``.
+
+        One round trip, ``ACQUIRE_SCRIPT``; see :meth:`LockStore.acquire`.
+
+        Raises:
+            LockBackendError: Redis is unreachable or refused the script.
+        """
+        sent_at = clock()
+        async with self._errors("acquire", key):
+            reply = await self.do_acquire(key, value, ttl_ms, adopt)
+        if int(reply[0]) == 1:
+            return AcquireResult(True, sent_at=sent_at, fence=int(reply[1]))
+        pttl = int(reply[2])
+        return AcquireResult(
+            False,
+            decode_text(reply[1], self.commands.encoding),
+            pttl / 1000.0 if pttl >= 0 else None,
+            sent_at=sent_at,
+        )
+
+    async def acquire_waiting(
+        self, key: str, value: str, ttl_ms: int, timeout: float, adopt: Sequence[str] = ()
+    ) -> AcquireResult:
+        """Take a lock already found held, waiting up to ``timeout`` seconds.
+
+        Subscribes to the key's release channel *before* trying again (a
+        release in between is never missed); each wait is capped at the
+        holder's remaining TTL (a lost message or a dead holder costs at most
+        that). Woken by the release, never by polling.
+
+        Raises:
+            LockBackendError: Redis is unreachable.
+        """
+        deadline = clock() + timeout
+        dropped = 0
+        async with self._errors("wait for", key):
+            while True:
+                subscribed = False
+                try:
+                    async with AsyncSubscription(self.commands, release_channel(key)) as sub:
+                        subscribed = True
+                        while True:
+                            result = await self.acquire(key, value, ttl_ms, adopt)
+                            remaining = deadline - clock()
+                            if result.acquired or remaining <= 0:
+                                return result
+                            wait = remaining
+                            if result.ttl_remaining is not None:
+                                wait = min(wait, result.ttl_remaining + 0.005)
+                            if not await sub.wait(wait):
+                                break  # timed out: subscribe again, then try again
+                except (ConnectionError, TimeoutError):
+                    dropped += 1
+                    if not subscribed or dropped > _RESUBSCRIPTIONS:
+                        raise
+
+    async def release(self, key: str, value: str) -> ReleaseOutcome:
+        """Delete the lock if it still holds ``value`` exactly (and wake the waiters)."""
+        async with self._errors("release", key):
+            return ReleaseOutcome(await self.do_release(key, value))
+
+    async def extend(self, key: str, value: str, ttl_ms: int) -> RenewOutcome:
+        """Reset the lock's TTL to ``ttl_ms`` if it still holds ``value``."""
+        async with self._errors("extend", key):
+            return RenewOutcome(await self.do_extend(key, value, ttl_ms))
+
+    async def renew_many(self, items: Sequence[tuple[str, str, int]]) -> list[RenewOutcome]:
+        """Renew many locks in one pipelined round trip (the loop's renewer task only).
+
+        Raises:
+            LockBackendError: the round trip failed; no outcome is known.
+        """
+        if not items:
+            return []
+        async with self._errors("renew", items[0][0]):
+            return [RenewOutcome(status) for status in await self.do_renew(items)]
+
+    async def inspect(self, key: str) -> tuple[str | None, float | None]:
+        """Return the raw value and remaining TTL (seconds) of ``key``."""
+        async with self._errors("inspect", key):
+            value = await self.commands.call("GET", key)
+            pttl = await self.commands.call("PTTL", key)
+        if value is None:
+            return None, None
+        return decode_text(value, self.commands.encoding), (pttl / 1000 if pttl >= 0 else None)
+
+    async def aclose(self) -> None:
+        """Disconnect the running loop's idle connections."""
+        for endpoint in (self.commands, self.releases, self.renewals):
+            await endpoint.close()
+
+    # -- override points (as LockStore's: one script, its raw reply) ------
+
+    async def do_acquire(self, key: str, value: str, ttl_ms: int, adopt: Sequence[str]) -> Any:
+        """Run ``ACQUIRE_SCRIPT``; return its reply."""
+        keys, args = (key, fence_key(key)), (value, ttl_ms, self.fence_ttl_ms, *adopt)
+        return await self.commands.run(
+            script_exchange(scripts.ACQUIRE, keys, args, self.commands.encoding)
+        )
+
+    async def do_release(self, key: str, value: str) -> int:
+        """Run ``RELEASE_SCRIPT`` (exact value, delete); return its reply (1, 0 or -1).
+
+        If the first attempt's reply was lost, the retry's "already gone"
+        means it worked: reported as 1. If the release handed the key to a
+        task execution parked on it (a task's ``HandOff`` policy on the same
+        key name), this store cannot publish its message: the parked
+        execution's re-sent copy runs at its countdown (as with a sync
+        store that has no publisher); reported as 1.
+        """
+        keys, args = release_call(key, value, "exact", "", 1, HANDOFF_TTL_MS)
+        run_script = script_exchange(scripts.RELEASE, keys, args, self.releases.encoding)
+        attempts = 0
+
+        async def counted(connection: Any) -> Any:
+            nonlocal attempts
+            attempts += 1
+            return await run_script(connection)
+
+        reply = await self.releases.run(counted)
+        if isinstance(reply, list):
+            logger.warning(
+                "lock %s was handed to a parked execution, but this process cannot publish "
+                "its message; its re-sent copy runs when its countdown ends",
+                key,
+            )
+            return 1
+        return 1 if attempts > 1 and int(reply) == 0 else int(reply)
+
+    async def do_extend(self, key: str, value: str, ttl_ms: int) -> int:
+        """Run ``RENEW_SCRIPT`` for one key; return its status (1, 0 or -1)."""
+        reply = await self.commands.run(
+            script_exchange(scripts.RENEW, (key,), (value, ttl_ms), self.commands.encoding)
+        )
+        return int(reply[0])
+
+    async def do_renew(self, items: Sequence[tuple[str, str, int]]) -> list[int]:
+        """Run ``RENEW_SCRIPT`` over many keys, chunked, in one pipelined round trip."""
+        calls: list[tuple[Sequence[str], Sequence[Any]]] = []
+        for start in range(0, len(items), RENEW_CHUNK_SIZE):
+            chunk = items[start : start + RENEW_CHUNK_SIZE]
+            keys = [key for key, _, _ in chunk]
+            args: list[Any] = [value for _, value, _ in chunk] + [ttl for _, _, ttl in chunk]
+            calls.append((keys, args))
+        replies = await self.renewals.run(
+            script_many_exchange(scripts.RENEW, calls, self.renewals.encoding)
+        )
+        return [int(status) for reply in replies for status in reply]

@@ -1,0 +1,110 @@
+"""Who owns a reentrant lock, and how deep its owner is in it.
+
+A reentrant lock is owned by a thread (:class:`~celery_redislock.RedisLock`)
+or by an asyncio task (:class:`~celery_redislock.AsyncRedisLock`). Redis holds
+one plain value per *outermost* acquisition, in the format of every other
+lock (so renewal, listing, the CLI and fencing see an ordinary lock); the
+nesting depth is counted here, in the owner's process, and changed only by
+the owner itself. A nested acquire confirms the value is still ours (it
+extends the lock); only the last release sends the release script.
+
+Counting in the process rather than in a Redis hash keeps every Redis call
+idempotent: a call whose reply was lost is sent again by the transport, and
+an ``HINCRBY`` counted twice would keep the key for ever, or one counted
+down twice would free it under a holder that still runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+__all__ = ["Hold", "Holds", "task_owner", "thread_owner"]
+
+H = TypeVar("H")
+
+
+class _ThreadToken(threading.local):
+    """One token per thread (per greenlet under gevent), never reused."""
+
+    def __init__(self) -> None:
+        self.token = object()
+
+
+_THREAD = _ThreadToken()
+_TASKS: weakref.WeakKeyDictionary[asyncio.Task[Any], object] = weakref.WeakKeyDictionary()
+
+
+def thread_owner() -> object:
+    """The owner token of the calling thread (unlike a thread id, never reused).
+
+    Inside a running asyncio task it is that task's token instead: every
+    coroutine of an event loop runs on one thread, and a sync lock held
+    across an ``await`` must not let another task of the loop in.
+    """
+    if asyncio._get_running_loop() is not None and asyncio.current_task() is not None:
+        return task_owner()
+    return _THREAD.token
+
+
+def task_owner() -> object:
+    """The owner token of the running asyncio task.
+
+    Raises:
+        RuntimeError: not called from inside an asyncio task.
+    """
+    task = asyncio.current_task()
+    if task is None:
+        raise RuntimeError("a reentrant AsyncRedisLock must be used inside an asyncio task")
+    token = _TASKS.get(task)
+    if token is None:
+        token = _TASKS.setdefault(task, object())
+    return token
+
+
+@dataclass
+class Hold(Generic[H]):
+    """One owner's acquisition: the handle of the outermost acquire and the depth."""
+
+    handle: H
+    depth: int = 1
+
+
+class Holds(Generic[H]):
+    """The reentrant holds of this process, by store, lock name and owner.
+
+    Only an owner reads or changes its own entries, so no lock is needed.
+    A forked child starts empty: it owns none of its parent's locks.
+    """
+
+    def __init__(self) -> None:
+        self._reset()
+        os.register_at_fork(after_in_child=self._reset)
+
+    def _reset(self) -> None:
+        self._by_store: weakref.WeakKeyDictionary[Any, dict[tuple[str, object], Hold[H]]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def get(self, store: Any, name: str, owner: object) -> Hold[H] | None:
+        """The owner's hold of ``name`` on ``store``, if any."""
+        per_store = self._by_store.get(store)
+        return None if per_store is None else per_store.get((name, owner))
+
+    def add(self, store: Any, name: str, owner: object, handle: H) -> Hold[H]:
+        """Record the owner's outermost acquisition (depth 1)."""
+        per_store = self._by_store.get(store)
+        if per_store is None:
+            per_store = self._by_store.setdefault(store, {})
+        hold = per_store[(name, owner)] = Hold(handle)
+        return hold
+
+    def remove(self, store: Any, name: str, owner: object) -> None:
+        """Forget the owner's hold (its last release)."""
+        per_store = self._by_store.get(store)
+        if per_store is not None:
+            per_store.pop((name, owner), None)

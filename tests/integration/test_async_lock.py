@@ -1,0 +1,451 @@
+"""AsyncRedisLock against a real redis-server: waits, renewal, loss, cancellation, reentrancy.
+
+Coroutines are driven by ``asyncio.run`` from sync tests (no pytest plugin).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import pytest
+import redis
+import redis.asyncio
+
+from celery_redislock import (
+    AsyncRedisLock,
+    ConfigurationError,
+    LockBackendError,
+    LockContended,
+    LockNotOwned,
+    RedisLock,
+    ReleaseOutcome,
+    lock_acquired,
+    lock_lost,
+)
+from celery_redislock.aiolock import async_renewer
+from celery_redislock.aiostore import AsyncLockStore
+from celery_redislock.keys import fence_key, release_channel
+from tests.conftest import LOCK_DB
+from tests.servers import RedisServer, server_busy, wait_until
+
+T = TypeVar("T")
+
+
+def run(server: RedisServer, body: Callable[[redis.asyncio.Redis], Awaitable[T]]) -> T:
+    """Run ``body(client)`` in a fresh event loop; close the client and the lock's connections."""
+
+    async def main() -> T:
+        client = redis.asyncio.Redis(port=server.port, db=LOCK_DB)
+        try:
+            return await body(client)
+        finally:
+            await AsyncLockStore.for_client(client).aclose()
+            await client.aclose()
+
+    return asyncio.run(main())
+
+
+async def until(condition: Callable[[], Any], timeout: float = 10.0, what: str = "") -> None:
+    """Await ``condition()`` being true, with a deadline (no fixed sleeps)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not condition():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what or condition}")
+        await asyncio.sleep(0.01)
+
+
+def test_async_with_acquires_renews_nothing_short_and_releases(
+    server: RedisServer, lock_client: redis.Redis
+) -> None:
+    async def body(client: redis.asyncio.Redis) -> None:
+        async with AsyncRedisLock(client, "a:cm", ttl=5) as lock:
+            assert lock.owned and isinstance(lock.fence, int)
+            assert lock_client.pttl("a:cm") > 4000
+            # Same key and value format as the sync lock: they exclude each other.
+            assert RedisLock(lock_client, "a:cm").acquire(blocking=False) is False
+        assert lock_client.exists("a:cm") == 0 and not lock.owned
+        await until(lambda: not async_renewer().alive, what="no task left on the loop")
+
+    run(server, body)
+
+
+def test_non_blocking_and_timed_out_acquires(server: RedisServer) -> None:
+    async def body(client: redis.asyncio.Redis) -> None:
+        holder = AsyncRedisLock(client, "a:nb")
+        assert await holder.acquire()
+        assert await AsyncRedisLock(client, "a:nb").acquire(blocking=False) is False
+        with pytest.raises(LockContended) as info:
+            async with AsyncRedisLock(client, "a:nb", timeout=0.2):
+                pass
+        assert info.value.ttl_remaining is not None
+        with pytest.raises(RuntimeError, match="already held"):
+            await holder.acquire()
+        assert await holder.release() is ReleaseOutcome.RELEASED
+
+    run(server, body)
+
+
+def test_a_waiter_is_woken_by_the_release_not_by_polling(
+    server: RedisServer, lock_client: redis.Redis
+) -> None:
+    async def body(client: redis.asyncio.Redis) -> float:
+        holder = AsyncRedisLock(client, "a:wake", ttl=30)
+        assert await holder.acquire()
+        lock_client.config_resetstat()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+
+        async def release_later() -> None:
+            await asyncio.sleep(0.3)
+            await holder.release()
+
+        releaser = asyncio.create_task(release_later())
+        waiter = AsyncRedisLock(client, "a:wake", ttl=30)
+        assert await waiter.acquire(timeout=20)
+        waited = loop.time() - started
+        await releaser
+        await waiter.release()
+        return waited
+
+    waited = run(server, body)
+    assert waited < 10  # the holder's TTL (30 s) was not what woke it
+    stats = lock_client.info("commandstats")
+    # Acquire, acquire once subscribed, acquire once woken, two releases: no polling.
+    assert stats["cmdstat_evalsha"]["calls"] == 5, stats["cmdstat_evalsha"]
+    assert stats["cmdstat_subscribe"]["calls"] == 1
+
+
+def test_many_concurrent_coroutines_on_one_key_never_overlap(server: RedisServer) -> None:
+    async def body(client: redis.asyncio.Redis) -> list[int]:
+        inside = 0
+        seen: list[int] = []
+        lock = AsyncRedisLock(client, "a:many", ttl=5, timeout=30)
+
+        @lock
+        async def critical() -> None:
+            nonlocal inside
+            inside += 1
+            seen.append(inside)
+            await asyncio.sleep(0.002)  # let the others run while we hold it
+            inside -= 1
+
+        await asyncio.gather(*(critical() for _ in range(25)))
+        return seen
+
+    seen = run(server, body)
+    assert len(seen) == 25 and max(seen) == 1
+
+
+def test_one_renewer_task_per_loop_renews_all_locks_in_batches(
+    server: RedisServer, lock_client: redis.Redis
+) -> None:
+    async def body(client: redis.asyncio.Redis) -> None:
+        locks = [AsyncRedisLock(client, f"a:renew:{i}", ttl=0.3) for i in range(6)]
+        for lock in locks:
+            assert await lock.acquire()
+        renewer = async_renewer()
+        assert renewer.alive and renewer.held == 6
+        trips = renewer.round_trips
+        await until(lambda: all(lock.handle and lock.handle.renewals >= 3 for lock in locks))
+        renewals = sum(lock.handle.renewals for lock in locks if lock.handle)
+        # Batched: one round trip renews all six (allow a split tick or two).
+        assert renewer.round_trips - trips <= renewals / 3
+        assert all(lock.owned for lock in locks)
+        assert all(lock_client.pttl(f"a:renew:{i}") > 0 for i in range(6))
+        for lock in locks:
+            await lock.release()
+        await until(lambda: not renewer.alive, what="the renewer task to end")
+
+    run(server, body)
+
+
+def test_a_lost_async_lock_is_reported_once(server: RedisServer, lock_client: redis.Redis) -> None:
+    reports: list[dict[str, Any]] = []
+
+    def on_lost(sender: Any, **kwargs: Any) -> None:
+        if kwargs["key"] == "a:lost":
+            reports.append(kwargs)
+
+    async def body(client: redis.asyncio.Redis) -> None:
+        lock = AsyncRedisLock(client, "a:lost", ttl=0.3)
+        assert await lock.acquire()
+        lock_client.delete("a:lost")
+        await until(lambda: lock.lost, what="the renewer to find it gone")
+        # Renewal ticks go on for another lock; the loss is not reported again.
+        async with AsyncRedisLock(client, "a:other", ttl=0.3) as other:
+            trips = async_renewer().round_trips
+            await until(lambda: async_renewer().round_trips >= trips + 3)
+            assert other.owned
+        with pytest.raises(LockNotOwned):
+            await lock.extend()
+        assert await lock.release() is ReleaseOutcome.ALREADY_GONE
+
+    lock_lost.connect(on_lost)
+    try:
+        run(server, body)
+    finally:
+        lock_lost.disconnect(on_lost)
+    assert [report["reason"] for report in reports] == ["gone"]
+
+
+def test_cancelled_between_sending_the_acquire_and_its_reply(
+    server: RedisServer, lock_client: redis.Redis
+) -> None:
+    """The connection with the unread reply is closed, and the value taken back."""
+
+    async def body(client: redis.asyncio.Redis) -> None:
+        store = AsyncLockStore.for_client(client)
+        async with AsyncRedisLock(client, "a:warm"):  # connections open before the freeze
+            pass
+        busy = server_busy(server, 1.5)
+        await asyncio.to_thread(busy.__enter__)
+        try:
+            acquiring = asyncio.create_task(AsyncRedisLock(client, "a:cancel").acquire())
+            await asyncio.sleep(0.2)  # sent; its reply waits behind DEBUG SLEEP
+            assert not acquiring.done()
+            acquiring.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await acquiring
+        finally:
+            await asyncio.to_thread(busy.__exit__, None, None, None)
+        # The script did run once Redis woke (it wrote the fence counter)...
+        await until(lambda: lock_client.exists(fence_key("a:cancel")), what="the late acquire")
+        # ...and its value was taken back: the key is free.
+        await until(lambda: not lock_client.exists("a:cancel"), timeout=15, what="take-back")
+        # No idle connection holds an unread reply.
+        for connection in store.commands.idle_connections():
+            assert not (connection.is_connected and await connection.can_read())
+        # The next acquire reads its own reply.
+        async with AsyncRedisLock(client, "a:cancel", timeout=5) as lock:
+            assert lock.owned and lock_client.get("a:cancel") is not None
+
+    run(server, body)
+
+
+def test_cancelled_while_waiting_leaves_the_holder_alone(
+    server: RedisServer, lock_client: redis.Redis
+) -> None:
+    async def body(client: redis.asyncio.Redis) -> None:
+        holder = AsyncRedisLock(client, "a:waitcancel", ttl=30)
+        assert await holder.acquire()
+        value = lock_client.get("a:waitcancel")
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(AsyncRedisLock(client, "a:waitcancel").acquire(), 0.3)
+        assert lock_client.get("a:waitcancel") == value and holder.owned
+        channel = release_channel("a:waitcancel")
+        await until(lambda: lock_client.pubsub_numsub(channel)[0][1] == 0, what="unsubscribed")
+        await holder.release()
+
+    run(server, body)
+
+
+def test_reentrant_async_lock_is_owned_by_the_task(
+    server: RedisServer, lock_client: redis.Redis
+) -> None:
+    fences: list[Any] = []
+
+    def on_acquired(sender: Any, **kwargs: Any) -> None:
+        if kwargs["key"] == "a:re":
+            fences.append(kwargs["fence"])
+
+    async def body(client: redis.asyncio.Redis) -> None:
+        lock = AsyncRedisLock(client, "a:re", ttl=5, reentrant=True)
+        async with lock:
+            fence = lock.fence
+            async with lock, AsyncRedisLock(client, "a:re", reentrant=True) as inner:
+                assert inner.depth == 3 and inner.fence == fence
+
+            async def other_task() -> tuple[bool, bool]:
+                with pytest.raises(LockNotOwned):
+                    await lock.release()
+                with pytest.raises(LockNotOwned):
+                    await lock.extend()
+                return await lock.acquire(blocking=False), lock.depth == 0
+
+            assert await asyncio.create_task(other_task()) == (False, True)
+            assert lock.depth == 1 and lock_client.exists("a:re") == 1
+        assert lock_client.exists("a:re") == 0
+        with pytest.raises(LockNotOwned, match="more times than acquired"):
+            await lock.release()
+
+    lock_acquired.connect(on_acquired)
+    try:
+        run(server, body)
+    finally:
+        lock_acquired.disconnect(on_acquired)
+    assert len(fences) == 1
+
+
+def test_a_loop_closed_while_holding_a_lock_cancels_the_renewer_cleanly(
+    server: RedisServer, lock_client: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def body(client: redis.asyncio.Redis) -> None:
+        lock = AsyncRedisLock(client, "a:abandoned", ttl=0.5)
+        assert await lock.acquire()
+        assert async_renewer().alive
+
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        run(server, body)
+    assert not [r for r in caplog.records if r.name == "asyncio"], caplog.text
+    # Nobody renews it any more: the TTL frees it.
+    wait_until(lambda: not lock_client.exists("a:abandoned"), timeout=10)
+
+
+def test_bad_use_is_refused_early(server: RedisServer) -> None:
+    async def body(client: redis.asyncio.Redis) -> None:
+        lock = AsyncRedisLock(client, "a:bad")
+        with pytest.raises(TypeError, match="async def"):
+            lock(lambda: None)
+        with pytest.raises(ConfigurationError, match="non-empty str"):
+            AsyncRedisLock(client, "")
+        with pytest.raises(ConfigurationError, match=r"redis\.asyncio\.Redis"):
+            AsyncRedisLock(redis.Redis(port=server.port), "a:sync-client")  # type: ignore[arg-type]
+
+    run(server, body)
+
+
+def test_sync_and_async_locks_of_one_name_exclude_each_other(
+    server: RedisServer, lock_client: redis.Redis
+) -> None:
+    sync_lock = RedisLock(lock_client, "a:mixed", ttl=5)
+    assert sync_lock.acquire()
+    released = threading.Timer(0.3, sync_lock.release)
+
+    async def body(client: redis.asyncio.Redis) -> bool:
+        released.start()
+        lock = AsyncRedisLock(client, "a:mixed", ttl=5)
+        got = await lock.acquire(timeout=10)  # woken by the sync lock's release
+        await lock.release()
+        return got and not sync_lock.owned
+
+    assert run(server, body)
+    released.join()
+
+
+def test_a_cancelled_release_is_sent_again_before_the_cancellation_propagates(
+    server: RedisServer, lock_client: redis.Redis
+) -> None:
+    class SlowFirstRelease(AsyncLockStore):
+        entered: asyncio.Event
+        calls = 0
+
+        async def do_release(self, key: str, value: str) -> int:
+            SlowFirstRelease.calls += 1
+            if SlowFirstRelease.calls == 1:
+                self.entered.set()
+                await asyncio.Event().wait()  # cancelled here, before anything is sent
+            return await super().do_release(key, value)
+
+    async def body(client: redis.asyncio.Redis) -> None:
+        store = SlowFirstRelease(client)
+        store.entered = asyncio.Event()
+        lock = AsyncRedisLock(client, "a:release-cancel", ttl=30, store=store)
+        assert await lock.acquire()
+        releasing = asyncio.create_task(lock.release())
+        await store.entered.wait()
+        releasing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await releasing
+        assert SlowFirstRelease.calls == 2
+        assert lock_client.exists("a:release-cancel") == 0
+        await until(lambda: not async_renewer().alive, what="the renewer task to end")
+        await store.aclose()
+
+    run(server, body)
+
+
+def test_a_child_forked_inside_the_loop_never_renews_or_releases_the_parents_lock(
+    server: RedisServer, lock_client: redis.Redis
+) -> None:
+    """The child must not run the inherited loop (its epoll is the parent's), so it
+    drives the release coroutine by hand: refused before any await."""
+    import os
+
+    async def body(client: redis.asyncio.Redis) -> None:
+        lock = AsyncRedisLock(client, "a:fork", ttl=0.6)
+        assert await lock.acquire()
+        value = lock_client.get("a:fork")
+        renewer = async_renewer()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - runs in the child
+            code = 1
+            try:
+                release = lock.release()
+                try:
+                    release.send(None)
+                except StopIteration as done:
+                    refused = done.value is None
+                renewer._forget_parents_locks()
+                code = 0 if refused and renewer.held == 0 else 2
+            finally:
+                os._exit(code)
+        _, status = await asyncio.to_thread(os.waitpid, pid, 0)
+        assert os.WEXITSTATUS(status) == 0
+        trips = renewer.round_trips
+        await until(lambda: renewer.round_trips >= trips + 2, what="the parent to renew")
+        assert lock_client.get("a:fork") == value and lock.owned
+        assert await lock.release() is ReleaseOutcome.RELEASED
+
+    run(server, body)
+
+
+def test_an_acquire_that_timed_out_is_taken_over_by_the_next_acquire(
+    server: RedisServer, lock_client: redis.Redis
+) -> None:
+    async def body(_: redis.asyncio.Redis) -> None:
+        client = redis.asyncio.Redis(port=server.port, db=LOCK_DB, socket_timeout=0.2)
+        try:
+            async with AsyncRedisLock(client, "a:warm-timeout"):
+                pass
+            busy = server_busy(server, 1.0)
+            await asyncio.to_thread(busy.__enter__)
+            try:
+                with pytest.raises(LockBackendError, match="unavailable"):
+                    await AsyncRedisLock(client, "a:timeout").acquire(blocking=False)
+            finally:
+                await asyncio.to_thread(busy.__exit__, None, None, None)
+            # Its script ran late (or was taken back meanwhile): either way the
+            # next acquire in this process gets the lock at once.
+            lock = AsyncRedisLock(client, "a:timeout", ttl=30)
+            assert await lock.acquire(blocking=False)
+            assert await lock.release() is ReleaseOutcome.RELEASED
+            await until(lambda: not lock_client.exists("a:timeout"))
+        finally:
+            await AsyncLockStore.for_client(client).aclose()
+            await client.aclose()
+
+    run(server, body)
+
+
+def test_an_async_lock_redis_stops_answering_for_is_lost_locally_once(
+    server: RedisServer, lock_client: redis.Redis
+) -> None:
+    reasons: list[str] = []
+
+    def on_lost(sender: Any, **kwargs: Any) -> None:
+        if kwargs["key"] == "a:frozen":
+            reasons.append(kwargs["reason"])
+
+    async def body(client: redis.asyncio.Redis) -> None:
+        lock = AsyncRedisLock(client, "a:frozen", ttl=0.9)
+        assert await lock.acquire()
+        server.pause()  # SIGSTOP: renewals time out
+        try:
+            await until(lambda: lock.lost, timeout=15, what="the lease to run out locally")
+            assert not lock.owned and lock.handle and lock.handle.lost_reason == "expired_locally"
+        finally:
+            server.resume()
+        assert await lock.release() in (ReleaseOutcome.ALREADY_GONE, ReleaseOutcome.RELEASED)
+        await until(lambda: not async_renewer().alive)
+
+    lock_lost.connect(on_lost)
+    try:
+        run(server, body)
+    finally:
+        lock_lost.disconnect(on_lost)
+    assert reasons == ["expired_locally"]

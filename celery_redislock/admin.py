@@ -27,7 +27,7 @@ from celery import Celery
 from celery_redislock.keys import split_slot
 from celery_redislock.settings import AppSettings, TaskSettings, app_settings
 from celery_redislock.store import ReleaseOutcome
-from celery_redislock.tokens import QUEUED_HOST, LockValue
+from celery_redislock.tokens import PARKED_HOST, QUEUED_HOST, LockValue
 
 __all__ = ["LIVE_GRACE", "LockInventory", "LockRecord"]
 
@@ -100,7 +100,7 @@ class LockRecord:
                 key, value, UNKNOWN, None, None, None, None, None, None, ttl_remaining, fence, slot
             )
         owner = decoded.owner
-        queued = owner.hostname == QUEUED_HOST
+        queued = owner.hostname in (QUEUED_HOST, PARKED_HOST)
         return cls(
             key=key,
             value=value,

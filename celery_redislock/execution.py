@@ -49,6 +49,7 @@ from celery_redislock.policies import (
     RetryInsteadOfSkip,
     RetryWhileOwnDeliveryHolds,
     backend_error_countdown,
+    uses_handoff,
 )
 from celery_redislock.store import AcquireResult
 from celery_redislock.takeback import take_back_value
@@ -146,7 +147,13 @@ class Execution:
         handoff = own_values(request, [_header(request, HANDOFF_HEADER)])
         #: This execution's hand-off value, if it is a copy of a parked one.
         self.handoff: str | None = handoff[0] if handoff else None
-        self.copy_tag = str(_header(request, HANDOFF_COPY_HEADER) or f"o:{new_nonce()}")
+        #: This call's hand-off value: the same for every copy and re-send of it.
+        self.parked_value = self.handoff or (
+            LockValue.parked(request.id or "", request.retries or 0, task.name).encode()
+        )
+        # The original message (and its redeliveries and backoff re-sends)
+        # is one copy; the woken message and each safety net are others.
+        self.copy_tag = str(_header(request, HANDOFF_COPY_HEADER) or "o")
         #: A coalesced run's queued key and value, freed when it is granted.
         self.queued_slot: tuple[str, str] | None = None
         if settings.coalesce and self.queued_token:
@@ -161,6 +168,17 @@ class Execution:
         self.debounced = bool(
             settings.debounce and _header(request, DEBOUNCE_HEADER) and not request.is_eager
         )
+        self.from_beat = bool(
+            headers.get("celery_beat_task") or getattr(request, "celery_beat_task", None)
+        )
+        #: Runs after the holder, never instead: every contention parks.
+        self.must_run = bool(self.handoff or self.queued_slot or self.debounced)
+        #: Its first acquire goes through PARK: a copy of a call that parked
+        #: (or may have: a lost reply, a redelivery) must learn whether
+        #: another copy of the call already ran, and may hold the hand-off.
+        self.parks = self.must_run or uses_handoff(
+            settings.beat_policy if self.from_beat else settings.policy
+        )
         self.handle: LockHandle | None = None
         #: An acquire was sent and its reply not (yet) read.
         self.unsettled = False
@@ -171,14 +189,14 @@ class Execution:
     def _acquire(self, wait: float | None = None) -> AcquireResult:
         settings, backend = self.settings, self.settings.backend
         self.unsettled = True
-        if wait is None and (self.handoff or self.queued_slot):
+        if wait is None and self.parks:
             # One round trip that also refuses a second copy of a parked
-            # execution, and frees a coalesced run's queued key when granted.
+            # call, and frees a coalesced run's queued key when granted.
             parked = backend.park(
                 self.key,
                 self.value,
                 settings.ttl_ms,
-                self.handoff or "",
+                self.parked_value,
                 self.copy_tag,
                 b"",
                 self.park_ttl_ms,
@@ -322,7 +340,6 @@ class Execution:
             self._grant(granted[-1], started)
             return None
 
-        headers = dict(request.headers or {})
         lock_retries = int(_header(request, LOCK_RETRIES_HEADER) or 0)
         parked_since = _header(request, PARKED_SINCE_HEADER)
         contention = Contention(
@@ -342,11 +359,8 @@ class Execution:
             else lambda countdown, exc: self._park(countdown, exc, lock_retries, parked_since),
             parked_for=max(time.time() - float(parked_since), 0.0) if parked_since else 0.0,
         )
-        from_beat = bool(
-            headers.get("celery_beat_task") or getattr(request, "celery_beat_task", None)
-        )
-        policy = settings.beat_policy if from_beat else settings.policy
-        if self.handoff or self.queued_slot or self.debounced:
+        policy = settings.beat_policy if self.from_beat else settings.policy
+        if self.must_run:
             policy = handoff_policy(policy)
         if contention.holder_task_id == request.id:
             policy = RetryWhileOwnDeliveryHolds(policy)
@@ -381,7 +395,7 @@ class Execution:
         ``Retry`` once parked and re-sent, or :class:`_SecondCopy`.
         """
         task, request, settings = self.task, self.request, self.settings
-        handoff = self.handoff or LockValue.queued(request.id or "", task.name).encode()
+        handoff = self.parked_value
         extra = {
             HANDOFF_HEADER: handoff,
             PARKED_SINCE_HEADER: parked_since or time.time(),

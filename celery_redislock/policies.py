@@ -43,6 +43,7 @@ __all__ = [
     "is_skipped",
     "resolve_policy",
     "skipped_result",
+    "uses_handoff",
 ]
 
 
@@ -278,10 +279,22 @@ class HandOff(ContentionPolicy):
         """Park behind the holder; after ``max_wait``, ``then`` decides."""
         if self.max_wait is not None and contention.parked_for > self.max_wait:
             return self.then.handle(contention)
-        retry = Retry(max_retries=2**62, jitter=self.jitter)
         if contention.park is None:
-            return retry.handle(contention)
-        return contention.park(retry.countdown_for(contention), contention.error())
+            # Eager mode (no broker to park on): as Retry, which eager apply()
+            # re-runs at once, so with a budget, then ``then``.
+            return Retry(jitter=self.jitter, then=self.then).handle(contention)
+        countdown = Retry(jitter=self.jitter).countdown_for(contention)
+        return contention.park(countdown, contention.error())
+
+
+def uses_handoff(policy: ContentionPolicy) -> bool:
+    """True if ``policy`` (or one it composes with ``then``) is a :class:`HandOff`."""
+    seen: ContentionPolicy | None = policy
+    while seen is not None:
+        if isinstance(seen, HandOff):
+            return True
+        seen = getattr(seen, "then", None)
+    return False
 
 
 class RetryInsteadOfSkip(ContentionPolicy):

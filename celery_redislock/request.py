@@ -24,7 +24,7 @@ from celery.signals import task_revoked
 from celery.worker.request import Request
 
 from celery_redislock._clock import clock
-from celery_redislock.headers import QUEUED_TOKEN_HEADER, queued_token
+from celery_redislock.headers import DEBOUNCE_HEADER, QUEUED_TOKEN_HEADER, queued_token
 from celery_redislock.keys import queued_key
 from celery_redislock.settings import TaskSettings
 from celery_redislock.store import ReleaseOutcome
@@ -322,6 +322,23 @@ def release_queued_lock(
         settings.backend.release(queued_key(key) if settings.coalesce else key, token)
 
 
+def _forget_revoked_burst(task: SingletonTaskMixin, request: Any) -> None:
+    """A debounced run revoked or expired before it started ends its burst.
+
+    Otherwise later calls would join a run that never comes until the
+    record expires.
+    """
+    try:
+        settings = task._lock_settings()
+        if settings.enabled and settings.debounce:
+            key = task._key(settings, request.args or (), request.kwargs or {})
+            settings.backend.debounce_due(key, request.id or "", forget=True)
+    except Exception:
+        logger.exception(
+            "could not end the debounce burst of revoked %s[%s]", task.name, request.id
+        )
+
+
 @task_revoked.connect
 def release_revoked_queued_lock(
     sender: Any = None, request: Any = None, terminated: bool = False, **kwargs: Any
@@ -333,6 +350,8 @@ def release_revoked_queued_lock(
     """
     if not isinstance(sender, SingletonTaskMixin) or request is None or terminated:
         return
+    if (request.headers or {}).get(DEBOUNCE_HEADER) or getattr(request, DEBOUNCE_HEADER, None):
+        _forget_revoked_burst(sender, request)
     token = queued_token(request)
     if token is None:
         return

@@ -178,7 +178,8 @@ return result
 #              (keys.handoff_keys)
 # KEYS[7]    - its queued key (keys.queued_key), for a coalesced run
 # ARGV[1..3] - value, its TTL in ms, the fence counter's TTL in ms (as ACQUIRE)
-# ARGV[4]    - this execution's hand-off value ('' if it never parked): the
+# ARGV[4]    - this call's hand-off value (tokens.LockValue.parked; '' for a run
+#              that never parks): the
 #              value a release leaves in KEYS[1] to hand the lock to it
 # ARGV[5]    - tag of this copy of the parked execution (its woken message
 #              and each safety-net re-send have their own)
@@ -189,8 +190,9 @@ return result
 # ARGV[8]    - this execution's value in KEYS[7] ('' if none): freed when
 #              the lock is granted, kept alive while parked
 # ARGV[9..n] - values to take over, as ACQUIRE's ARGV[4..n]
-# returns {1, fence} when granted (as ACQUIRE; the hand-off value is marked
-#         as ran by this copy and leaves the queue); {0, holder value,
+# returns {1, fence} when granted (as ACQUIRE; a hand-off value that was
+#         parked or handed the lock is marked as ran by this copy and leaves
+#         the queue; one never parked leaves no mark); {0, holder value,
 #         holder PTTL, parked} when held by another (parked = 1 once its
 #         hand-off value is queued behind the holder, at most once); {2}
 #         when another copy of this hand-off value was already granted (a
@@ -233,10 +235,13 @@ end
     + _TAKE
     + """
 if ARGV[4] ~= '' then
-    redis.call('HSET', KEYS[5], ARGV[4], ARGV[5])
-    redis.call('PEXPIRE', KEYS[5], ARGV[7])
-    if redis.call('HDEL', KEYS[4], ARGV[4]) == 1 then
+    local was_parked = redis.call('HDEL', KEYS[4], ARGV[4]) == 1
+    if was_parked then
         redis.call('LREM', KEYS[3], 0, ARGV[4])
+    end
+    if was_parked or current == ARGV[4] then
+        redis.call('HSET', KEYS[5], ARGV[4], ARGV[5])
+        redis.call('PEXPIRE', KEYS[5], ARGV[7])
     end
 end
 if ARGV[8] ~= '' and redis.call('GET', KEYS[7]) == ARGV[8] then

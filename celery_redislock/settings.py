@@ -29,7 +29,7 @@ from celery.utils.imports import symbol_by_name
 
 from celery_redislock.exceptions import ConfigurationError
 from celery_redislock.handoff import publisher as handoff_publisher
-from celery_redislock.policies import ContentionPolicy, HandOff, resolve_policy
+from celery_redislock.policies import ContentionPolicy, resolve_policy, uses_handoff
 from celery_redislock.store import LockStore
 
 if TYPE_CHECKING:
@@ -185,15 +185,11 @@ def check_limit_combination(
             f"{where}: lock_limit={limit} cannot be combined with lock_debounce "
             "(not supported yet); turn one of them off"
         )
-    for policy in policies:
-        seen = policy
-        while seen is not None:
-            if isinstance(seen, HandOff):
-                raise ConfigurationError(
-                    f"{where}: lock_limit={limit} cannot be combined with the HandOff "
-                    "policy (not supported yet); use retry or wait"
-                )
-            seen = getattr(seen, "then", None)
+    if any(uses_handoff(policy) for policy in policies):
+        raise ConfigurationError(
+            f"{where}: lock_limit={limit} cannot be combined with the HandOff "
+            "policy (not supported yet); use retry or wait"
+        )
 
 
 def validate_hold(value: Any, where: str) -> float:
@@ -217,9 +213,15 @@ def validate_flag(value: Any, where: str) -> bool:
 
 
 def validate_key_prefix(value: Any, where: str) -> str:
-    """Return ``value`` if it is a non-empty str, else raise."""
+    """Return ``value`` if it is a non-empty str without braces, else raise.
+
+    Braces would make a Redis Cluster hash tag of the prefix, and the keys
+    kept beside a lock (fence, hand-off) could land in another slot.
+    """
     if not isinstance(value, str) or not value:
         raise ConfigurationError(f"{where} must be a non-empty str, got {value!r}")
+    if "{" in value or "}" in value:
+        raise ConfigurationError(f"{where} must not contain braces, got {value!r}")
     return value
 
 

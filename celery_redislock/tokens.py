@@ -25,13 +25,20 @@ or process, so no parent-side release (by owner prefix) can ever match them:
   the worker that runs the message takes it over;
 * *kept* (hostname ``<done>``): left by a successful run as its idempotency
   window (``lock_hold_after_success``). It differs from the running value,
-  so a renewal still in flight when the run released cannot extend it.
+  so a renewal still in flight when the run released cannot extend it;
+* *parked* (hostname ``<parked>``): the hand-off value of one call of a task
+  (task id and attempt) that parked behind the holder (``HandOff``); a
+  release leaves it in the key to hand the lock over. It is the same for
+  every copy and re-send of that call (its nonce is derived, not random),
+  so a call that parks twice (a lost reply, a redelivery) queues once and
+  runs once.
 
 A standalone :class:`~celery_redislock.RedisLock` has an empty task id.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
 import socket
@@ -39,7 +46,7 @@ import time
 from dataclasses import dataclass
 from urllib.parse import quote, unquote
 
-__all__ = ["KEPT_HOST", "QUEUED_HOST", "LockOwner", "LockValue", "new_nonce"]
+__all__ = ["KEPT_HOST", "PARKED_HOST", "QUEUED_HOST", "LockOwner", "LockValue", "new_nonce"]
 
 _VERSION = "v1"
 _SEPARATOR = "|"
@@ -48,6 +55,8 @@ _SEPARATOR = "|"
 QUEUED_HOST = "<queued>"
 #: Hostname field of the value a successful run keeps as its idempotency window.
 KEPT_HOST = "<done>"
+#: Hostname field of a parked call's hand-off value.
+PARKED_HOST = "<parked>"
 
 
 def _text(value: str) -> str:
@@ -117,6 +126,23 @@ class LockValue:
     def kept(cls, task_id: str, attempt: int, task_name: str) -> LockValue:
         """Return the value a successful run leaves as its idempotency window."""
         return cls.new(LockOwner(task_id, attempt, KEPT_HOST, None), task_name)
+
+    @classmethod
+    def parked(cls, task_id: str, attempt: int, task_name: str) -> LockValue:
+        """Return the hand-off value of one call (task id and attempt) of ``task_name``.
+
+        Derived, not random: every copy and re-send of the call computes the
+        same value, which the task id makes unique.
+        """
+        digest = hashlib.blake2b(
+            f"{task_id}|{attempt}|{task_name}".encode(), digest_size=16, person=b"redislock-park"
+        ).hexdigest()
+        return cls(LockOwner(task_id, attempt, PARKED_HOST, None), digest, task_name, 0)
+
+    @property
+    def is_parked(self) -> bool:
+        """The hand-off value of a parked call."""
+        return self.owner.hostname == PARKED_HOST
 
     @property
     def is_queued(self) -> bool:

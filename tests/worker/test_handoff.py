@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import redis
 from celery import Celery
 
 from celery_redislock import HandOff, SingletonTask
-from celery_redislock.keys import handoff_keys, queued_key
+from celery_redislock.keys import debounce_key, handoff_keys, queued_key
 from celery_redislock.store import LockStore
-from tests.conftest import embedded_worker
+from tests.conftest import BROKER_DB, embedded_worker
 from tests.servers import wait_until
 
 pytestmark = pytest.mark.worker
@@ -350,3 +351,110 @@ def test_parked_executions_run_when_the_lock_store_restarts_empty(
         release.set()
         assert holder.get(timeout=20) == "holder"
     assert sorted(record.lrange("runs", 0, -1)) == ["holder", "waiter"]
+
+
+class _LostParkReply(LockStore):
+    """The first real park runs on the server, but its reply never arrives."""
+
+    lost: ClassVar[list[bool]] = []
+
+    def do_park(self, keys: Any, args: Any) -> Any:
+        reply = super().do_park(keys, args)
+        if args[5] and not self.lost:
+            self.lost.append(True)
+            raise redis.exceptions.TimeoutError("Timeout reading from socket")
+        return reply
+
+
+def test_a_call_whose_park_reply_was_lost_is_queued_once_and_runs_once(
+    app_factory: Any, record: redis.Redis, lock_client: redis.Redis, caplog: Any
+) -> None:
+    """Its backoff re-send parks the same call again: the same hand-off value, one entry."""
+    _LostParkReply.lost.clear()
+    app = app_factory(redislock_store_class=_LostParkReply)
+
+    @app.task(base=SingletonTask, shared=False, lock_args=(), lock_on_contention="handoff")
+    def job(label: str) -> str:
+        record.rpush("runs", label)
+        return label
+
+    key = job.lock_key_for(("x",), {})
+    holder = "v1|holder|0|elsewhere|1|ab|job|0"
+    lock_client.set(key, holder, px=30000)
+    with caplog.at_level("INFO", logger="celery_redislock"), embedded_worker(app, "threads", 2):
+        result = job.delay("one-call")
+        wait_until(lambda: caplog.text.count("parked behind lock") >= 1, timeout=30)
+        assert lock_client.llen(handoff_keys(key)[0]) == 1  # one call, queued once
+        job._lock_settings().backend.release(key, holder)
+        assert result.get(timeout=20) == "one-call"
+    assert record.lrange("runs", 0, -1) == ["one-call"]
+
+
+def test_a_redelivered_call_that_died_after_parking_runs_once(
+    app_factory: Any, record: redis.Redis, lock_client: redis.Redis, server: Any
+) -> None:
+    """acks_late: the child dies between parking and its safety net; the original comes back.
+
+    The release hands the lock to the call and publishes its woken copy;
+    the redelivered original is another copy of the same call: one runs.
+    """
+    flag = server.client(9)
+    app = app_factory(
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        redislock_store_class="tests.worker.test_handoff:_DieAfterPark",
+    )
+    _DieAfterPark.flag_url = server.url_for(9)
+
+    @app.task(base=SingletonTask, shared=False, lock_args=(), lock_on_contention="handoff")
+    def job(label: str) -> str:
+        record.rpush("runs", label)
+        return label
+
+    key = job.lock_key_for(("x",), {})
+    holder = "v1|holder|0|elsewhere|1|ab|job|0"
+    lock_client.set(key, holder, px=30000)
+    broker = server.client(BROKER_DB)
+    with embedded_worker(app, "prefork", 2):
+        result = job.delay("one-call")
+        wait_until(lambda: flag.exists("died-once"), timeout=30)
+        job._lock_settings().backend.release(key, holder)
+        assert result.get(timeout=30) == "one-call"
+
+        def all_acked() -> bool:
+            return not broker.llen("tests") and not broker.hlen("unacked")
+
+        wait_until(all_acked, timeout=30)
+    assert record.lrange("runs", 0, -1) == ["one-call"]
+
+
+class _DieAfterPark(LockStore):
+    """The pool child dies right after its first real park (an OOM kill, say)."""
+
+    flag_url: ClassVar[str] = ""
+
+    def do_park(self, keys: Any, args: Any) -> Any:
+        reply = super().do_park(keys, args)
+        if args[5] and redis.Redis.from_url(self.flag_url).set("died-once", 1, nx=True):
+            os._exit(1)
+        return reply
+
+
+def test_a_revoked_debounced_run_ends_its_burst(
+    app: Celery, record: redis.Redis, lock_client: redis.Redis
+) -> None:
+    @app.task(base=SingletonTask, shared=False, lock_args=("account",), lock_debounce=0.5)
+    def recompute(account: int) -> int:
+        record.rpush("runs", account)
+        return account
+
+    with embedded_worker(app, "threads", 2):
+        dead = recompute.delay(1)
+        burst = debounce_key(recompute.lock_key_for((1,), {}))
+        assert lock_client.exists(burst)
+        dead.revoke()
+        wait_until(lambda: not lock_client.exists(burst), timeout=20)
+        later = recompute.delay(1)
+        assert later.id != dead.id  # a new burst, not a join of the revoked run
+        assert later.get(timeout=20) == 1
+    assert record.lrange("runs", 0, -1) == ["1"]

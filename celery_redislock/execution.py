@@ -202,6 +202,8 @@ class Execution:
                 self.park_ttl_ms,
                 self.queued_slot,
                 self.adopt,
+                settings.limit,
+                LockOwner.task_prefix(self.request.id),
             )
             if parked.already_ran:
                 self.unsettled = False
@@ -415,6 +417,8 @@ class Execution:
             self.park_ttl_ms,
             self.queued_slot,
             [*self.adopt, handoff],
+            settings.limit,
+            LockOwner.task_prefix(request.id),
         )
         self.unsettled = parked.result.acquired
         if parked.already_ran:

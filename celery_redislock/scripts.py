@@ -31,19 +31,46 @@ __all__ = [
 ]
 
 
-# Takes the lock: the common end of ACQUIRE and PARK. ``current`` is the
-# value found in KEYS[1] (false if none); KEYS[2] is the fence counter,
-# ARGV[1..3] the value, its TTL and the counter's TTL. Sets ``fence``.
+# Takes the lock: the common end of ACQUIRE and PARK. ``lock_key`` is the
+# key taken, ``current`` the value found in it (false if none),
+# ``counter_key`` the fence counter; ARGV[1..3] the value, its TTL and the
+# counter's TTL. Sets ``fence``.
 _TAKE = """
-local fence = redis.call('GET', KEYS[2])
+local fence = redis.call('GET', counter_key)
 if not current or not fence then
     local now = redis.call('TIME')
     local micros = tonumber(now[1]) * 1000000 + tonumber(now[2])
     fence = string.format('%.0f', math.max(tonumber(fence or '0') + 1, micros))
 end
 local counter_ttl = math.max(tonumber(ARGV[3]), tonumber(ARGV[2]))
-redis.call('SET', KEYS[2], fence, 'PX', counter_ttl)
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+redis.call('SET', counter_key, fence, 'PX', counter_ttl)
+redis.call('SET', lock_key, ARGV[1], 'PX', ARGV[2])
+"""
+
+# Hands a freed key to the first parked call: the common end of RELEASE and
+# RELEASE_SLOTS. ``freed`` is the key just released, ``waiters``,
+# ``parked_hash`` and ``parking`` its hand-off keys, ``handoff_ttl`` the TTL
+# of the hand-off value. Reads only the ``parking`` flag when nothing is
+# parked. Sets ``handed`` to {hand-off value, message} when it handed over
+# (``freed`` then holds the hand-off value), else leaves it nil.
+_HAND_OVER = """
+local handed
+if redis.call('GET', parking) then
+    while true do
+        local waiter = redis.call('LPOP', waiters)
+        if not waiter then
+            redis.call('DEL', parking)
+            break
+        end
+        local message = redis.call('HGET', parked_hash, waiter)
+        if message then
+            redis.call('HDEL', parked_hash, waiter)
+            redis.call('SET', freed, waiter, 'PX', handoff_ttl)
+            handed = {waiter, message}
+            break
+        end
+    end
+end
 """
 
 # KEYS[1]    - lock key
@@ -65,7 +92,8 @@ redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 # microsecond timestamp (~1.8e15) is exact below 2^53.
 ACQUIRE_SCRIPT = (
     """
-local current = redis.call('GET', KEYS[1])
+local lock_key, counter_key = KEYS[1], KEYS[2]
+local current = redis.call('GET', lock_key)
 if current and current ~= ARGV[1] then
     local ours = false
     for i = 4, #ARGV do
@@ -106,7 +134,8 @@ return {1, fence}
 #         deleting, it handed the lock to the first execution parked on the
 #         key (see PARK): the caller publishes that message. Entries of
 #         parked executions that already ran are dropped on the way.
-RELEASE_SCRIPT = """
+RELEASE_SCRIPT = (
+    """
 local current = redis.call('GET', KEYS[1])
 if not current then
     return 0
@@ -128,26 +157,19 @@ if ARGV[4] ~= '' then
     redis.call('PUBLISH', ARGV[3], '1')
     return 1
 end
-if redis.call('GET', KEYS[4]) then
-    while true do
-        local waiter = redis.call('LPOP', KEYS[2])
-        if not waiter then
-            redis.call('DEL', KEYS[4])
-            break
-        end
-        local message = redis.call('HGET', KEYS[3], waiter)
-        if message then
-            redis.call('HDEL', KEYS[3], waiter)
-            redis.call('SET', KEYS[1], waiter, 'PX', ARGV[6])
-            redis.call('PUBLISH', ARGV[3], '1')
-            return {1, waiter, message}
-        end
-    end
-end
-redis.call('DEL', KEYS[1])
+local freed, waiters, parked_hash, parking = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local handoff_ttl = ARGV[6]
+redis.call('DEL', freed)
+"""
+    + _HAND_OVER
+    + """
 redis.call('PUBLISH', ARGV[3], '1')
+if handed then
+    return {1, handed[1], handed[2]}
+end
 return 1
 """
+)
 
 # KEYS[1..n] - lock keys
 # ARGV[i]    - the holder's value for KEYS[i]
@@ -172,82 +194,113 @@ end
 return result
 """
 
-# KEYS[1]    - lock key
-# KEYS[2]    - fence counter of this key
-# KEYS[3..6] - its waiters list, parked hash, ran hash and parking flag
-#              (keys.handoff_keys)
-# KEYS[7]    - its queued key (keys.queued_key), for a coalesced run
-# ARGV[1..3] - value, its TTL in ms, the fence counter's TTL in ms (as ACQUIRE)
-# ARGV[4]    - this call's hand-off value (tokens.LockValue.parked; '' for a run
-#              that never parks): the
-#              value a release leaves in KEYS[1] to hand the lock to it
-# ARGV[5]    - tag of this copy of the parked execution (its woken message
-#              and each safety-net re-send have their own)
-# ARGV[6]    - the message to publish when the lock is handed to it; ''
-#              means do not park (only try)
-# ARGV[7]    - time to live in ms of the waiters, parked and ran keys, and
-#              of the queued key while its run is parked
-# ARGV[8]    - this execution's value in KEYS[7] ('' if none): freed when
-#              the lock is granted, kept alive while parked
-# ARGV[9..n] - values to take over, as ACQUIRE's ARGV[4..n]
-# returns {1, fence} when granted (as ACQUIRE; a hand-off value that was
-#         parked or handed the lock is marked as ran by this copy and leaves
-#         the queue; one never parked leaves no mark); {0, holder value,
-#         holder PTTL, parked} when held by another (parked = 1 once its
-#         hand-off value is queued behind the holder, at most once); {2}
-#         when another copy of this hand-off value was already granted (a
-#         redelivery of the granted copy itself is not refused).
+# KEYS[1..n]   - the lock's slot keys (n = #KEYS - 6; n = 1: the lock key
+#                itself; see keys.slot_keys for lock_limit)
+# KEYS[n+1]    - fence counter of the key, shared by its slots
+# KEYS[n+2..5] - its waiters list, parked hash, ran hash and parking flag
+#                (keys.handoff_keys)
+# KEYS[n+6]    - its queued key (keys.queued_key), for a coalesced run
+# ARGV[1..3]   - value, its TTL in ms, the fence counter's TTL in ms (as ACQUIRE)
+# ARGV[4]      - this call's hand-off value (tokens.LockValue.parked; '' for
+#                a run that never parks): the value a release leaves in a
+#                slot to hand the lock to it
+# ARGV[5]      - tag of this copy of the call (the original message, its
+#                woken message and each safety-net re-send have their own)
+# ARGV[6]      - the message to publish when the lock is handed to it; ''
+#                means do not park (only try)
+# ARGV[7]      - time to live in ms of the waiters, parked and ran keys, and
+#                of the queued key while its run is parked
+# ARGV[8]      - this execution's value in the queued key ('' if none):
+#                freed when the lock is granted, kept alive while parked
+# ARGV[9]      - "v1|<task id>|" when n > 1 (a slot held by the same task is
+#                contention, as ACQUIRE_SLOT), else ''
+# ARGV[10..]   - values to take over, as ACQUIRE's ARGV[4..n]
+# returns {1, fence, slot} when granted (as ACQUIRE; a hand-off value that
+#         was parked or handed the lock is marked as ran by this copy and
+#         leaves the queue; one never parked leaves no mark); {0, holder
+#         value, holder PTTL, parked} when every slot is held by another
+#         (the holder whose slot frees first; parked = 1 once its hand-off
+#         value is queued, at most once); {2} when another copy of this
+#         call already ran (a redelivery of the granted copy is not refused).
 PARK_SCRIPT = (
     """
+local n = #KEYS - 6
+local counter_key = KEYS[n + 1]
+local waiters, parked_hash, ran = KEYS[n + 2], KEYS[n + 3], KEYS[n + 4]
+local parking, queued = KEYS[n + 5], KEYS[n + 6]
 if ARGV[4] ~= '' then
-    local ran = redis.call('HGET', KEYS[5], ARGV[4])
-    if ran and ran ~= ARGV[5] then
+    local copy = redis.call('HGET', ran, ARGV[4])
+    if copy and copy ~= ARGV[5] then
         return {2}
     end
 end
-local current = redis.call('GET', KEYS[1])
-if current and current ~= ARGV[1] and current ~= ARGV[4] then
-    local ours = false
-    for i = 9, #ARGV do
-        if current == ARGV[i] then
-            ours = true
+local slot, current, free, same_task, shortest, shortest_ttl
+for i = 1, n do
+    local value = redis.call('GET', KEYS[i])
+    if value then
+        local ours = value == ARGV[1] or value == ARGV[4]
+        if not ours then
+            for j = 10, #ARGV do
+                if value == ARGV[j] then
+                    ours = true
+                    break
+                end
+            end
+        end
+        if ours then
+            slot, current = i, value
             break
-        end
-    end
-    if not ours then
-        local parked = 0
-        if ARGV[6] ~= '' then
-            if redis.call('HSETNX', KEYS[4], ARGV[4], ARGV[6]) == 1 then
-                redis.call('RPUSH', KEYS[3], ARGV[4])
+        elseif ARGV[9] ~= '' and string.sub(value, 1, #ARGV[9]) == ARGV[9] then
+            same_task = same_task or i
+        else
+            local rank = redis.call('PTTL', KEYS[i])
+            if rank < 0 then
+                rank = math.huge
             end
-            redis.call('PEXPIRE', KEYS[3], ARGV[7])
-            redis.call('PEXPIRE', KEYS[4], ARGV[7])
-            redis.call('SET', KEYS[6], '1', 'PX', ARGV[7])
-            if ARGV[8] ~= '' and redis.call('GET', KEYS[7]) == ARGV[8] then
-                redis.call('PEXPIRE', KEYS[7], ARGV[7])
+            if not shortest or rank < shortest_ttl then
+                shortest, shortest_ttl = i, rank
             end
-            parked = 1
         end
-        return {0, current, redis.call('PTTL', KEYS[1]), parked}
+    elseif not free then
+        free = i
     end
 end
+if not slot and (same_task or not free) then
+    local blocker = same_task or shortest
+    local parked = 0
+    if ARGV[6] ~= '' then
+        if redis.call('HSETNX', parked_hash, ARGV[4], ARGV[6]) == 1 then
+            redis.call('RPUSH', waiters, ARGV[4])
+        end
+        redis.call('PEXPIRE', waiters, ARGV[7])
+        redis.call('PEXPIRE', parked_hash, ARGV[7])
+        redis.call('SET', parking, '1', 'PX', ARGV[7])
+        if ARGV[8] ~= '' and redis.call('GET', queued) == ARGV[8] then
+            redis.call('PEXPIRE', queued, ARGV[7])
+        end
+        parked = 1
+    end
+    return {0, redis.call('GET', KEYS[blocker]), redis.call('PTTL', KEYS[blocker]), parked}
+end
+slot = slot or free
+local lock_key = KEYS[slot]
 """
     + _TAKE
     + """
 if ARGV[4] ~= '' then
-    local was_parked = redis.call('HDEL', KEYS[4], ARGV[4]) == 1
+    local was_parked = redis.call('HDEL', parked_hash, ARGV[4]) == 1
     if was_parked then
-        redis.call('LREM', KEYS[3], 0, ARGV[4])
+        redis.call('LREM', waiters, 0, ARGV[4])
     end
     if was_parked or current == ARGV[4] then
-        redis.call('HSET', KEYS[5], ARGV[4], ARGV[5])
-        redis.call('PEXPIRE', KEYS[5], ARGV[7])
+        redis.call('HSET', ran, ARGV[4], ARGV[5])
+        redis.call('PEXPIRE', ran, ARGV[7])
     end
 end
-if ARGV[8] ~= '' and redis.call('GET', KEYS[7]) == ARGV[8] then
-    redis.call('DEL', KEYS[7])
+if ARGV[8] ~= '' and redis.call('GET', queued) == ARGV[8] then
+    redis.call('DEL', queued)
 end
-return {1, fence}
+return {1, fence, slot}
 """
 )
 
@@ -389,18 +442,24 @@ return {1, fence, slot}
 # value of an acquire whose reply was lost, and a worker's parent releasing
 # a dead child's slot by owner prefix, when neither knows the slot.
 #
-# KEYS[1..n] - the slot keys
+# KEYS[1..n] - the slot keys (n = #KEYS - 3)
+# KEYS[n+1..n+3] - the key's waiters list, parked hash and parking flag
 # ARGV[1]    - the holder's whole value (mode "exact") or an owner prefix
 #              (mode "prefix")
 # ARGV[2]    - "exact" or "prefix"
 # ARGV[3]    - channel to PUBLISH on when released, to wake waiters
+# ARGV[4]    - time to live in ms of a slot handed to a parked call
 # returns the number (1..n) of the slot released (every matching slot is
-#         deleted; the lowest is returned), 0 if none matched and some slot
-#         is empty, -1 if none matched and every slot holds another value
-RELEASE_SLOTS_SCRIPT = """
+#         deleted; the lowest is returned, and handed to the first parked
+#         call if any: then {slot, hand-off value, message}), 0 if none
+#         matched and some slot is empty, -1 if none matched and every slot
+#         holds another value
+RELEASE_SLOTS_SCRIPT = (
+    """
+local n = #KEYS - 3
 local released = 0
 local empty = false
-for i = 1, #KEYS do
+for i = 1, n do
     local current = redis.call('GET', KEYS[i])
     if not current then
         empty = true
@@ -420,7 +479,16 @@ for i = 1, #KEYS do
     end
 end
 if released > 0 then
+    local freed, waiters = KEYS[released], KEYS[n + 1]
+    local parked_hash, parking = KEYS[n + 2], KEYS[n + 3]
+    local handoff_ttl = ARGV[4]
+"""
+    + _HAND_OVER
+    + """
     redis.call('PUBLISH', ARGV[3], '1')
+    if handed then
+        return {released, handed[1], handed[2]}
+    end
     return released
 end
 if empty then
@@ -428,6 +496,7 @@ if empty then
 end
 return -1
 """
+)
 
 
 ACQUIRE = Script(ACQUIRE_SCRIPT)

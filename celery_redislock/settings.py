@@ -29,7 +29,7 @@ from celery.utils.imports import symbol_by_name
 
 from celery_redislock.exceptions import ConfigurationError
 from celery_redislock.handoff import publisher as handoff_publisher
-from celery_redislock.policies import ContentionPolicy, resolve_policy, uses_handoff
+from celery_redislock.policies import ContentionPolicy, resolve_policy
 from celery_redislock.store import LockStore
 
 if TYPE_CHECKING:
@@ -148,47 +148,31 @@ def validate_limit(value: Any, where: str) -> int:
     return value
 
 
-def check_limit_combination(
-    limit: int,
-    enqueue: bool,
-    hold: float,
-    where: str,
-    debounce: float = 0.0,
-    policies: tuple[Any, ...] = (),
-) -> None:
+def check_limit_combination(limit: int, enqueue: bool, hold: float, where: str) -> None:
     """Refuse the settings not defined together with ``lock_limit`` > 1.
 
     ``lock_enqueue`` deduplicates a call against the one queued or running
     call of its key, and ``lock_hold_after_success`` keeps that one call's
     window: neither says what it means with N slots, so the combination is
-    refused rather than given a meaning nobody asked for. ``lock_debounce``
-    and the ``HandOff`` policy hand the key to one run at a time; with slots
-    they are not built yet.
+    refused rather than given a meaning nobody asked for. (Coalescing,
+    ``lock_enqueue="until_start"``, keeps one *queued* call per key, which
+    runs when any slot frees: allowed, as are ``HandOff`` and debounce.)
 
     Raises:
-        ConfigurationError: ``limit`` > 1 with any of them on.
+        ConfigurationError: ``limit`` > 1 with either of them on.
     """
     if limit <= 1:
         return
     if enqueue:
         raise ConfigurationError(
-            f"{where}: lock_limit={limit} cannot be combined with lock_enqueue "
-            "(enqueue-time dedup keeps one queued call per key); turn one of them off"
+            f"{where}: lock_limit={limit} cannot be combined with lock_enqueue=True "
+            "(it keeps one queued or running call per key; lock_enqueue='until_start' "
+            "works with slots); turn one of them off"
         )
     if hold:
         raise ConfigurationError(
             f"{where}: lock_limit={limit} cannot be combined with lock_hold_after_success "
             "(the idempotency window is one kept value per key); turn one of them off"
-        )
-    if debounce:
-        raise ConfigurationError(
-            f"{where}: lock_limit={limit} cannot be combined with lock_debounce "
-            "(not supported yet); turn one of them off"
-        )
-    if any(uses_handoff(policy) for policy in policies):
-        raise ConfigurationError(
-            f"{where}: lock_limit={limit} cannot be combined with the HandOff "
-            "policy (not supported yet); use retry or wait"
         )
 
 
@@ -445,8 +429,7 @@ SETTINGS: tuple[SettingSpec, ...] = (
         "lock_limit",
         1,
         "At most this many executions per key at once (a counting semaphore of N "
-        "token-owned slots). Not with `lock_enqueue`, `lock_hold_after_success`, "
-        "`lock_debounce` or `HandOff`.",
+        "token-owned slots). Not with `lock_enqueue=True` or `lock_hold_after_success`.",
         validate_limit,
     ),
     SettingSpec(
@@ -736,15 +719,8 @@ class TaskSettings:
         max_wait = pick("lock_debounce_max_wait", app.debounce_max_wait)
         limit = int(pick("lock_limit", app.limit))
         hold = float(pick("lock_hold_after_success", app.hold_after_success))
-        policy = resolve_policy(pick("lock_on_contention", app.on_contention))
-        beat_policy = resolve_policy(pick("lock_beat_on_contention", app.beat_on_contention))
         check_limit_combination(
-            limit,
-            enqueue != "off",
-            hold,
-            f"task {getattr(task, 'name', task)}",
-            debounce,
-            (policy, beat_policy),
+            limit, enqueue == "until_done", hold, f"task {getattr(task, 'name', task)}"
         )
         return cls(
             app=app,
@@ -790,18 +766,9 @@ def validate_task_options(cls: type, where: str) -> None:
         )
     check_limit_combination(
         getattr(cls, "lock_limit", None) or 1,
-        bool(getattr(cls, "lock_enqueue", None)),
+        validate_enqueue_mode(getattr(cls, "lock_enqueue", None), where) == "until_done",
         getattr(cls, "lock_hold_after_success", None) or 0,
         where,
-        getattr(cls, "lock_debounce", None) or 0,
-        tuple(
-            resolve_policy(value)
-            for value in (
-                getattr(cls, "lock_on_contention", None),
-                getattr(cls, "lock_beat_on_contention", None),
-            )
-            if value is not None
-        ),
     )
     key_function = getattr(cls, "lock_key", None)
     if key_function is not None and not callable(key_function):

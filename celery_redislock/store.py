@@ -497,6 +497,8 @@ class LockStore:
         park_ttl_ms: int = 3_600_000,
         queued: tuple[str, str] | None = None,
         adopt: Sequence[str] = (),
+        limit: int = 1,
+        task_prefix: str = "",
     ) -> ParkResult:
         """Take the lock, or park behind its holder until a release hands it over.
 
@@ -518,12 +520,16 @@ class LockStore:
             queued: ``(queued key, this run's value in it)`` for a coalesced
                 run: freed once granted.
             adopt: Values this caller may take over (as :meth:`acquire`).
+            limit: Slots of the key (``lock_limit``); the result's ``key``
+                is the slot taken.
+            task_prefix: As :meth:`acquire_slot` (only with ``limit`` > 1).
 
         Raises:
             LockBackendError: Redis is unreachable or refused the script.
         """
         queued_at, queued_value = queued or (queued_key_of(key), "")
-        keys = (key, fence_key(key), *handoff_keys(key), queued_at)
+        slots = slot_keys(key, limit)
+        keys = (*slots, fence_key(key), *handoff_keys(key), queued_at)
         args = (
             value,
             ttl_ms,
@@ -533,6 +539,7 @@ class LockStore:
             message,
             park_ttl_ms,
             queued_value,
+            task_prefix if limit > 1 else "",
             *adopt,
         )
         sent_at = clock()
@@ -540,7 +547,8 @@ class LockStore:
             reply = self.do_park(keys, args)
         status = int(reply[0])
         if status == 1:
-            return ParkResult(AcquireResult(True, sent_at=sent_at, fence=int(reply[1])))
+            taken = slots[int(reply[2]) - 1]
+            return ParkResult(AcquireResult(True, sent_at=sent_at, fence=int(reply[1]), key=taken))
         if status == 2:
             return ParkResult(AcquireResult(False, sent_at=sent_at), already_ran=True)
         pttl = int(reply[2])
@@ -775,18 +783,24 @@ class LockStore:
             return self._release(key, match, mode, "", 0)
         with self._errors("release", key):
             reply = self.do_release_slots(key, limit, match, mode)
+        if isinstance(reply, list):
+            self._hand_off_reply(key, reply)
+            return ReleaseOutcome.RELEASED
         return ReleaseOutcome(max(min(reply, 1), -1))
 
     def _release(self, key: str, match: str, mode: str, keep: str, keep_ms: int) -> ReleaseOutcome:
         with self._errors("release", key):
             reply = self.do_release(key, match, mode, keep, keep_ms)
         if isinstance(reply, list):
-            _, waiter, message = reply
-            if isinstance(message, str):  # a client with decode_responses
-                message = message.encode("utf-8")
-            self._hand_off(key, decode_text(waiter, "utf-8"), message)
+            self._hand_off_reply(key, reply)
             return ReleaseOutcome.RELEASED
         return ReleaseOutcome(reply)
+
+    def _hand_off_reply(self, key: str, reply: list[Any]) -> None:
+        _, waiter, message = reply
+        if isinstance(message, str):  # a client with decode_responses
+            message = message.encode("utf-8")
+        self._hand_off(key, decode_text(waiter, "utf-8"), message)
 
     def _hand_off(self, key: str, waiter: str, message: bytes) -> None:
         """The release handed ``key`` to a parked execution: publish its message.
@@ -968,16 +982,17 @@ class LockStore:
         )
         return reply, None
 
-    def do_release_slots(self, key: str, limit: int, match: str, mode: str) -> int:
-        """Run ``RELEASE_SLOTS_SCRIPT``; return its reply (slot number, 0 or -1).
+    def do_release_slots(self, key: str, limit: int, match: str, mode: str) -> Any:
+        """Run ``RELEASE_SLOTS_SCRIPT``; return its reply (slot number, 0, -1 or a hand-off).
 
         On the releases' connections (short timeout, one retry), as
         :meth:`do_release`. If the first attempt's reply was lost, the
         retry's "no match" cannot tell; it is reported as released (1)
         when a slot is free, as :meth:`do_release` does.
         """
-        keys = slot_keys(key, limit)
-        args = (match, mode, release_channel(key))
+        waiters, parked, _, parking = handoff_keys(key)
+        keys = (*slot_keys(key, limit), waiters, parked, parking)
+        args = (match, mode, release_channel(key), self.handoff_ttl_ms)
         attempts = 0
 
         def make(endpoint: Endpoint) -> Callable[[Any], Any]:
@@ -990,8 +1005,10 @@ class LockStore:
 
             return counted
 
-        reply = int(self._topology(_Kind.RELEASES).run_for_key(key, make))
-        return 1 if attempts > 1 and reply == 0 else reply
+        reply = self._topology(_Kind.RELEASES).run_for_key(key, make)
+        if isinstance(reply, list):
+            return reply
+        return 1 if attempts > 1 and int(reply) == 0 else int(reply)
 
     def do_release(self, key: str, match: str, mode: str, keep: str, keep_ms: int) -> Any:
         """Run ``RELEASE_SCRIPT``; return its reply (1, 0, -1, or a hand-off).

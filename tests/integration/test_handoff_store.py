@@ -142,3 +142,21 @@ def test_plain_acl_rules_still_release_and_hand_off_needs_its_own(
     finally:
         plain.close()
         parker.close()
+
+
+def test_a_freed_slot_is_handed_to_the_first_parked_call(
+    store: LockStore, lock_client: redis.Redis
+) -> None:
+    """lock_limit=2: the parked call takes the slot its holder frees, also by owner prefix."""
+    assert store.acquire_slot(KEY, 2, "v1|a|0|h|1|n|t|0", TTL).acquired
+    assert store.acquire_slot(KEY, 2, "v1|b|0|h|1|n|t|0", TTL).acquired
+    parked = store.park(KEY, "v1|c|0|h|1|n|t|0", TTL, "handoff-c", "o", b"m", PARK_TTL, limit=2)
+    assert parked.parked and not parked.result.acquired
+    # A worker's parent releases the dead child b's slot by its owner prefix.
+    assert store.release_slot_of(KEY, 2, "v1|b|0|h|", "prefix") is ReleaseOutcome.RELEASED
+    slot2 = f"{KEY}:slot:2"
+    assert lock_client.get(slot2) == b"handoff-c"
+    assert store.handed == [(KEY, "handoff-c", b"m")]  # type: ignore[attr-defined]
+    granted = store.park(KEY, "v1|c|0|h|1|n2|t|0", TTL, "handoff-c", "w", b"", PARK_TTL, limit=2)
+    assert granted.result.acquired and granted.result.key == slot2
+    assert store.park(KEY, "x", TTL, "handoff-c", "f", b"", PARK_TTL, limit=2).already_ran

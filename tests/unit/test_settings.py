@@ -318,21 +318,28 @@ def test_both_spellings_celery_reads_under_a_namespace_are_accepted() -> None:
 
 
 @pytest.mark.parametrize(
-    ("options", "named"),
+    "options",
     [
-        ({"lock_on_contention": "handoff"}, "HandOff"),
-        ({"lock_on_contention": Wait(then=HandOff())}, "HandOff"),
-        ({"lock_debounce": 1}, "lock_debounce"),
-        ({"lock_enqueue": "until_start"}, "lock_enqueue"),
+        {"lock_on_contention": "handoff"},
+        {"lock_on_contention": Wait(then=HandOff())},
+        {"lock_debounce": 1},
+        {"lock_enqueue": "until_start"},
     ],
 )
-def test_lock_limit_with_hand_off_coalescing_or_debounce_is_refused(
-    options: dict[str, Any], named: str
-) -> None:
+def test_lock_limit_works_with_hand_off_coalescing_and_debounce(options: dict[str, Any]) -> None:
     app = new_app(redislock_url="redis://h:1/0")
-    with pytest.raises(ConfigurationError, match=f"lock_limit=3 cannot be combined with.*{named}"):
 
-        @app.task(base=SingletonTask, shared=False, lock_limit=3, **options)
+    @app.task(base=SingletonTask, shared=False, lock_limit=3, **options)
+    def task(x: int) -> None: ...
+
+    assert task._lock_settings().limit == 3
+
+
+def test_lock_limit_with_enqueue_until_done_is_refused() -> None:
+    app = new_app(redislock_url="redis://h:1/0")
+    with pytest.raises(ConfigurationError, match="lock_limit=3 cannot be combined with lock_enq"):
+
+        @app.task(base=SingletonTask, shared=False, lock_limit=3, lock_enqueue=True)
         def task(x: int) -> None: ...
 
         task.name  # noqa: B018

@@ -458,3 +458,40 @@ def test_a_revoked_debounced_run_ends_its_burst(
         assert later.id != dead.id  # a new burst, not a join of the revoked run
         assert later.get(timeout=20) == 1
     assert record.lrange("runs", 0, -1) == ["1"]
+
+
+@pytest.mark.parametrize("pool", ["threads", "prefork"])
+def test_parked_calls_take_the_slots_their_holders_free(
+    app: Celery, record: redis.Redis, pool: str
+) -> None:
+    """lock_limit=2 with HandOff: never more than 2 at once, waiters in arrival order."""
+
+    @app.task(
+        base=SingletonTask,
+        shared=False,
+        lock_args=("tenant",),
+        lock_limit=2,
+        lock_on_contention="handoff",
+    )
+    def export(tenant: int, label: str, seconds: float) -> str:
+        running = record.incr("running")
+        record.rpush("peak", running)
+        record.rpush("order", label)
+        time.sleep(seconds)
+        record.decr("running")
+        return label
+
+    with embedded_worker(app, pool, 4 if pool == "threads" else 3):
+        holders = [export.delay(1, f"h{n}", 1.0) for n in range(2)]
+        wait_until(lambda: record.llen("order") == 2, timeout=20)
+        waiters = []
+        for n in range(3):
+            waiters.append(export.delay(1, f"w{n}", 0.2))
+            wait_until(lambda n=n: _parked(app, export) >= n + 1, timeout=20)
+        assert [h.get(timeout=30) for h in holders] == ["h0", "h1"]
+        assert [w.get(timeout=30) for w in waiters] == ["w0", "w1", "w2"]
+    assert max(int(n) for n in record.lrange("peak", 0, -1)) == 2
+    # w0 and w1 are handed the two freed slots (they may start in either
+    # order); w2, parked last, only gets a slot one of them frees.
+    order = record.lrange("order", 0, -1)
+    assert set(order[2:4]) == {"w0", "w1"} and order[4] == "w2"

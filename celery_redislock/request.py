@@ -24,7 +24,13 @@ from celery.signals import task_revoked
 from celery.worker.request import Request
 
 from celery_redislock._clock import clock
-from celery_redislock.headers import DEBOUNCE_HEADER, QUEUED_TOKEN_HEADER, queued_token
+from celery_redislock.headers import (
+    DEBOUNCE_HEADER,
+    HANDOFF_HEADER,
+    QUEUED_TOKEN_HEADER,
+    own_values,
+    queued_token,
+)
 from celery_redislock.keys import queued_key
 from celery_redislock.settings import TaskSettings
 from celery_redislock.store import ReleaseOutcome
@@ -339,6 +345,21 @@ def _forget_revoked_burst(task: SingletonTaskMixin, request: Any) -> None:
         )
 
 
+def _release_revoked_handoff(task: SingletonTaskMixin, request: Any, handoff: str) -> None:
+    """A parked call revoked or expired before it ran gives up a lock handed to it.
+
+    Otherwise its hand-off value would hold the key (or slot) until the
+    hand-off TTL; released, the key passes to the next parked call.
+    """
+    try:
+        settings = task._lock_settings()
+        if settings.enabled:
+            key = task._key(settings, request.args or (), request.kwargs or {})
+            settings.backend.release_slot_of(key, settings.limit, handoff)
+    except Exception:
+        logger.exception("could not free the lock handed to revoked %s[%s]", task.name, request.id)
+
+
 @task_revoked.connect
 def release_revoked_queued_lock(
     sender: Any = None, request: Any = None, terminated: bool = False, **kwargs: Any
@@ -352,6 +373,9 @@ def release_revoked_queued_lock(
         return
     if (request.headers or {}).get(DEBOUNCE_HEADER) or getattr(request, DEBOUNCE_HEADER, None):
         _forget_revoked_burst(sender, request)
+    handoff = own_values(request, [(request.headers or {}).get(HANDOFF_HEADER)])
+    if handoff:
+        _release_revoked_handoff(sender, request, handoff[0])
     token = queued_token(request)
     if token is None:
         return

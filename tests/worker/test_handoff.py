@@ -495,3 +495,28 @@ def test_parked_calls_take_the_slots_their_holders_free(
     # order); w2, parked last, only gets a slot one of them frees.
     order = record.lrange("order", 0, -1)
     assert set(order[2:4]) == {"w0", "w1"} and order[4] == "w2"
+
+
+def test_a_parked_call_that_expired_gives_the_handed_lock_back(
+    app: Celery, record: redis.Redis, lock_client: redis.Redis
+) -> None:
+    """Its woken message is revoked on arrival: the key passes on, not after the hand-off TTL."""
+
+    @app.task(base=SingletonTask, shared=False, lock_args=("account",), lock_enqueue="until_start")
+    def recompute(account: int, label: str) -> str:
+        record.rpush("runs", label)
+        time.sleep(1.0)
+        return label
+
+    key = recompute.lock_key_for((1, ""), {})
+    with embedded_worker(app, "threads", 2):
+        running = recompute.delay(1, "running")
+        wait_until(lambda: record.llen("runs") == 1, timeout=20)
+        expiring = recompute.apply_async((1, "expiring"), expires=0.5)
+        wait_until(lambda: _parked(app, recompute) == 1, timeout=20)
+        assert running.get(timeout=20) == "running"
+        wait_until(lambda: expiring.state == "REVOKED", timeout=20)
+        wait_until(lambda: not lock_client.exists(key), timeout=5)  # not the 30 s hand-off TTL
+        later = recompute.delay(1, "later")
+        assert later.get(timeout=20) == "later"
+    assert record.lrange("runs", 0, -1) == ["running", "later"]

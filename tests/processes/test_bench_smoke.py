@@ -28,7 +28,7 @@ def test_bench_smoke(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
     scenarios = {figure["scenario"].split(".")[0] for figure in results["figures"]}
-    assert scenarios == {"1", "2", "3", "4", "5"}
+    assert scenarios == {"1", "2", "3", "4", "5", "6", "7"}
     ours = [f for f in results["figures"] if "redislock" in f["contender"]]
     assert ours and all(f["rounds"] >= 1 for f in ours)
     assert (tmp_path / "results.md").read_text().startswith("# Benchmark results")

@@ -109,7 +109,9 @@ def test_retry_waits_for_the_holder_without_spending_max_retries(
         )
         return "ran"
 
-    hold_lock(lock_client, job, ttl=1.0)  # a holder that died: not renewed
+    # A holder that died (not renewed); 2 s leaves room for several 0.2 s
+    # retries even when the worker is slow to start on a loaded machine.
+    hold_lock(lock_client, job, ttl=2.0)
     with embedded_worker(app, pool, 2):
         result = job.delay()
         assert result.get(timeout=30) == "ran"

@@ -9,6 +9,7 @@ import pytest
 from celery import Celery
 
 from celery_redislock import ConfigurationError, SingletonTask, scripts
+from celery_redislock.task import SingletonTaskMixin
 from tests.conftest import LOCK_DB, embedded_worker
 from tests.servers import RedisServer, free_port
 
@@ -88,6 +89,12 @@ def test_an_app_without_singleton_tasks_or_settings_is_not_checked(
         worker_hijack_root_logger=False,
         broker_connection_retry_on_startup=True,
     )
+    # Tasks other test modules declared with the default shared=True join
+    # every app; this app must have none of the package's.
+    app.finalize()
+    for name, task in list(app.tasks.items()):
+        if isinstance(task, SingletonTaskMixin):
+            app.tasks.unregister(name)
     try:
         with caplog.at_level(logging.INFO, logger=STARTUP_LOGGER), embedded_worker(app):
             pass

@@ -98,13 +98,17 @@ def main() -> int:
         (
             6,
             "task hand-off latency",
-            lambda: task_hand_off(report, args.rounds, 3 if args.smoke else 20),
+            lambda: task_hand_off(report, args.rounds, 3 if args.smoke else 20, args.smoke),
         ),
         (
             7,
             "bodies per storm",
             lambda: bodies_per_storm(
-                report, args.rounds, 50 if args.smoke else 1000, 1.0 if args.smoke else 5.0
+                report,
+                args.rounds,
+                30 if args.smoke else 1000,
+                0.5 if args.smoke else 5.0,
+                args.smoke,
             ),
         ),
     ]

@@ -36,17 +36,20 @@ def _tasks(broker: RedisServer, locks: RedisServer) -> Any:
     return tasks
 
 
-def task_hand_off(report: Report, rounds: int, waiters: int) -> None:
+def task_hand_off(report: Report, rounds: int, waiters: int, smoke: bool = False) -> None:
     broker, locks = RedisServer(), RedisServer()
     tasks = _tasks(broker, locks)
     record = broker.client(3, decode_responses=True)
     try:
-        for pool, concurrency in _POOLS:
+        # A smoke run only checks that it runs: one pool, no 3 s Retry waits.
+        pools = _POOLS[1:] if smoke else _POOLS
+        contenders = ("handoff", "wait") if smoke else ("handoff", "wait", "retry")
+        for pool, concurrency in pools:
             scenario = f"6. task hand-off latency ({pool} -c {concurrency}, {waiters} duplicates)"
             with worker(broker, locks, pool, concurrency):
                 for round_no in range(rounds):
                     line = []
-                    for contender in ("handoff", "wait", "retry"):
+                    for contender in contenders:
                         gaps = _gaps(tasks, record, contender, waiters, f"{pool}-{round_no}")
                         p50, p99 = percentile(gaps, 0.5) * 1000, percentile(gaps, 0.99) * 1000
                         report.add(scenario, contender, "p50", "ms", p50)
@@ -85,15 +88,17 @@ def _locked(tasks: Any) -> bool:
         client.close()
 
 
-def bodies_per_storm(report: Report, rounds: int, calls: int, seconds: float) -> None:
+def bodies_per_storm(
+    report: Report, rounds: int, calls: int, seconds: float, smoke: bool = False
+) -> None:
     broker, locks = RedisServer(), RedisServer()
     tasks = _tasks(broker, locks)
     record = broker.client(3, decode_responses=True)
     body = 0.25
     try:
-        for pool, concurrency in _POOLS:
+        for pool, concurrency in _POOLS[1:] if smoke else _POOLS:
             scenario = (
-                f"7. storm ({pool} -c {concurrency}, {calls} calls over {seconds:.0f} s, "
+                f"7. storm ({pool} -c {concurrency}, {calls} calls over {seconds:g} s, "
                 f"{body} s body)"
             )
             with worker(broker, locks, pool, concurrency):

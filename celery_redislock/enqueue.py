@@ -142,10 +142,14 @@ def _publish_debounced(
             max(int(settings.debounce_max_wait * 1000), 1),
         )
     except LockBackendError as exc:
-        # Never drop the call: publish it undebounced (the run-time lock
-        # still keeps runs apart).
+        # Never drop the call: publish it now, undebounced (the run-time
+        # lock still keeps runs apart). It still says it is debounced: if
+        # the record was written after all (a reply lost after the script
+        # ran), the run ends that burst when it starts, instead of leaving
+        # later calls to join a run that is over.
         logger.warning("publishing %s[%s] without its debounce: %s", task.name, task_id, exc)
-        return publish(args, kwargs, task_id=task_id, **options)
+        headers = {**(options.pop("headers", None) or {}), DEBOUNCE_HEADER: True}
+        return publish(args, kwargs, task_id=task_id, headers=headers, **options)
     except BaseException:
         # Interrupted: the record may name a run never published.
         with contextlib.suppress(Exception):

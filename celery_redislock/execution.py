@@ -144,16 +144,19 @@ class Execution:
         self.value = LockValue.new(owner, task.name).encode()
         headers = request.headers or {}
         self.queued_token = queued_token(request)
-        handoff = own_values(request, [_header(request, HANDOFF_HEADER)])
-        #: This execution's hand-off value, if it is a copy of a parked one.
-        self.handoff: str | None = handoff[0] if handoff else None
-        #: This call's hand-off value: the same for every copy and re-send of it.
-        self.parked_value = self.handoff or (
-            LockValue.parked(request.id or "", request.retries or 0, task.name).encode()
+        #: This call's hand-off value: the same for every copy and re-send of
+        #: the call (task id and attempt), new for a ``self.retry()``.
+        self.parked_value = LockValue.parked(
+            request.id or "", request.retries or 0, task.name
+        ).encode()
+        # A copy of this very call that parked (Celery's retry() copies the
+        # headers of the attempt before: they are not this call's).
+        self.handoff: str | None = (
+            self.parked_value if _header(request, HANDOFF_HEADER) == self.parked_value else None
         )
         # The original message (and its redeliveries and backoff re-sends)
         # is one copy; the woken message and each safety net are others.
-        self.copy_tag = str(_header(request, HANDOFF_COPY_HEADER) or "o")
+        self.copy_tag = str((self.handoff and _header(request, HANDOFF_COPY_HEADER)) or "o")
         #: A coalesced run's queued key and value, freed when it is granted.
         self.queued_slot: tuple[str, str] | None = None
         if settings.coalesce and self.queued_token:
@@ -172,7 +175,9 @@ class Execution:
             headers.get("celery_beat_task") or getattr(request, "celery_beat_task", None)
         )
         #: Runs after the holder, never instead: every contention parks.
-        self.must_run = bool(self.handoff or self.queued_slot or self.debounced)
+        # (Coalesced and debounced tasks also when their call skipped the
+        # producer's step: a canvas member, send_task.)
+        self.must_run = bool(self.handoff or settings.coalesce or settings.debounce)
         #: Its first acquire goes through PARK: a copy of a call that parked
         #: (or may have: a lost reply, a redelivery) must learn whether
         #: another copy of the call already ran, and may hold the hand-off.
@@ -360,6 +365,7 @@ class Execution:
             if request.is_eager
             else lambda countdown, exc: self._park(countdown, exc, lock_retries, parked_since),
             parked_for=max(time.time() - float(parked_since), 0.0) if parked_since else 0.0,
+            withdraw=self._withdraw if self.handoff else None,
         )
         policy = settings.beat_policy if self.from_beat else settings.policy
         if self.must_run:
@@ -396,7 +402,7 @@ class Execution:
         Returns :data:`LOCK_ACQUIRED` if the lock was free by then; raises
         ``Retry`` once parked and re-sent, or :class:`_SecondCopy`.
         """
-        task, request, settings = self.task, self.request, self.settings
+        task, request = self.task, self.request
         handoff = self.parked_value
         extra = {
             HANDOFF_HEADER: handoff,
@@ -407,6 +413,24 @@ class Execution:
             task, resend_headers(request, {**extra, HANDOFF_COPY_HEADER: f"w:{new_nonce()}"})
         )
         self.unsettled = True
+        try:
+            return self._park_and_resend(handoff, message, countdown, exc, extra)
+        except (CeleryRetry, _SecondCopy, LockBackendError):
+            # Parked and re-sent; or another copy ran; or the store failed
+            # (the backoff re-send parks the same call again: one entry).
+            raise
+        except BaseException:
+            # Interrupted (a soft time limit, a SIGTERM-born SystemExit) or
+            # the re-send failed, after the park may have run: this call
+            # ends here, visibly, so no copy of it may run later.
+            self._withdraw()
+            raise
+
+    def _park_and_resend(
+        self, handoff: str, message: bytes, countdown: float, exc: Exception, extra: dict[str, Any]
+    ) -> Any:
+        """One round trip (grant, or park), then the safety-net re-send."""
+        task, request, settings = self.task, self.request, self.settings
         parked = settings.backend.park(
             self.key,
             self.value,
@@ -447,6 +471,22 @@ class Execution:
                 due,
             )
             resend(self.task, due, LockContended(self.key, None, due), {})
+
+    def _withdraw(self) -> None:
+        """Take this call out of the hand-off queue for good (best effort: never raises)."""
+        try:
+            self.settings.backend.withdraw(
+                self.key, self.parked_value, self.park_ttl_ms, self.settings.limit
+            )
+        except Exception:
+            logger.warning(
+                "%s[%s]: could not withdraw the parked call from lock %s; a copy of it may "
+                "still run",
+                self.task.name,
+                self.request.id,
+                self.key,
+                exc_info=True,
+            )
 
     def _drop_second_copy(self) -> NoReturn:
         """Drop this copy: another copy of the same parked execution was granted the lock."""

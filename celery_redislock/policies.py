@@ -97,6 +97,8 @@ class Contention:
             Celery's ``Retry`` (or returns :data:`LOCK_ACQUIRED` if the lock
             was free by then). ``None`` where parking is impossible (eager).
         parked_for: Seconds since this execution first parked (0 if never).
+        withdraw: ``withdraw()`` takes a parked call out of the queue for
+            good (no copy of it runs); ``None`` where it never parked.
     """
 
     key: str
@@ -110,6 +112,7 @@ class Contention:
     retry_later: Callable[[float, Exception], NoReturn] = field(repr=False)
     park: Callable[[float, Exception], Any] | None = field(default=None, repr=False)
     parked_for: float = 0.0
+    withdraw: Callable[[], None] | None = field(default=None, repr=False)
 
     def error(self) -> LockContended:
         """Return the :class:`LockContended` error describing this contention."""
@@ -278,6 +281,9 @@ class HandOff(ContentionPolicy):
     def handle(self, contention: Contention) -> Any:
         """Park behind the holder; after ``max_wait``, ``then`` decides."""
         if self.max_wait is not None and contention.parked_for > self.max_wait:
+            # Given up: no copy of the call may run after its outcome is set.
+            if contention.withdraw is not None:
+                contention.withdraw()
             return self.then.handle(contention)
         if contention.park is None:
             # Eager mode (no broker to park on): as Retry, which eager apply()

@@ -28,6 +28,8 @@ __all__ = [
     "RELEASE_SLOTS_SCRIPT",
     "RENEW",
     "RENEW_SCRIPT",
+    "UNPARK",
+    "UNPARK_SCRIPT",
 ]
 
 
@@ -234,7 +236,7 @@ if ARGV[4] ~= '' then
         return {2}
     end
 end
-local slot, current, free, same_task, shortest, shortest_ttl
+local slot, current, free, same_task, shortest, shortest_ttl, handed
 for i = 1, n do
     local value = redis.call('GET', KEYS[i])
     if value then
@@ -248,9 +250,10 @@ for i = 1, n do
             end
         end
         if ours then
-            slot, current = i, value
+            slot, current, handed = i, value, value == ARGV[4]
             break
-        elseif ARGV[9] ~= '' and string.sub(value, 1, #ARGV[9]) == ARGV[9] then
+        end
+        if ARGV[9] ~= '' and string.sub(value, 1, #ARGV[9]) == ARGV[9] then
             same_task = same_task or i
         else
             local rank = redis.call('PTTL', KEYS[i])
@@ -272,6 +275,9 @@ if not slot and (same_task or not free) then
         if redis.call('HSETNX', parked_hash, ARGV[4], ARGV[6]) == 1 then
             redis.call('RPUSH', waiters, ARGV[4])
         end
+        -- Parking again (a copy that was let through: the granted copy
+        -- redelivered) means the call is pending again: any copy may run it.
+        redis.call('HDEL', ran, ARGV[4])
         redis.call('PEXPIRE', waiters, ARGV[7])
         redis.call('PEXPIRE', parked_hash, ARGV[7])
         redis.call('SET', parking, '1', 'PX', ARGV[7])
@@ -284,6 +290,10 @@ if not slot and (same_task or not free) then
 end
 slot = slot or free
 local lock_key = KEYS[slot]
+if handed then
+    -- Handed over by a release: a new holder, so a new fence.
+    current = false
+end
 """
     + _TAKE
     + """
@@ -292,7 +302,7 @@ if ARGV[4] ~= '' then
     if was_parked then
         redis.call('LREM', waiters, 0, ARGV[4])
     end
-    if was_parked or current == ARGV[4] then
+    if was_parked or handed then
         redis.call('HSET', ran, ARGV[4], ARGV[5])
         redis.call('PEXPIRE', ran, ARGV[7])
     end
@@ -301,6 +311,46 @@ if ARGV[8] ~= '' and redis.call('GET', queued) == ARGV[8] then
     redis.call('DEL', queued)
 end
 return {1, fence, slot}
+"""
+)
+
+# Withdraws a parked call that gave up (HandOff's max_wait, an interrupt
+# after it parked): it leaves the queue, every copy of it is dropped from
+# now on, and a slot already handed to it passes to the next parked call.
+#
+# KEYS[1..n]   - the lock's slot keys (n = #KEYS - 4)
+# KEYS[n+1..4] - its waiters list, parked hash, ran hash and parking flag
+# ARGV[1]      - the call's hand-off value
+# ARGV[2]      - what to mark it ran by (a tag no copy has)
+# ARGV[3]      - time to live in ms of the ran hash
+# ARGV[4]      - time to live in ms of a slot handed to the next parked call
+# ARGV[5]      - channel to PUBLISH on when a slot is freed
+# returns 0, or {slot, hand-off value, message} when a slot held for the
+#         call was handed to the next parked call (the caller publishes it)
+UNPARK_SCRIPT = (
+    """
+local n = #KEYS - 4
+local waiters, parked_hash, ran, parking = KEYS[n + 1], KEYS[n + 2], KEYS[n + 3], KEYS[n + 4]
+if redis.call('HDEL', parked_hash, ARGV[1]) == 1 then
+    redis.call('LREM', waiters, 0, ARGV[1])
+end
+redis.call('HSET', ran, ARGV[1], ARGV[2])
+redis.call('PEXPIRE', ran, ARGV[3])
+for i = 1, n do
+    if redis.call('GET', KEYS[i]) == ARGV[1] then
+        local freed, handoff_ttl = KEYS[i], ARGV[4]
+        redis.call('DEL', freed)
+"""
+    + _HAND_OVER
+    + """
+        redis.call('PUBLISH', ARGV[5], '1')
+        if handed then
+            return {i, handed[1], handed[2]}
+        end
+        return 0
+    end
+end
+return 0
 """
 )
 
@@ -503,6 +553,7 @@ ACQUIRE = Script(ACQUIRE_SCRIPT)
 DEBOUNCE = Script(DEBOUNCE_SCRIPT)
 DEBOUNCE_DUE = Script(DEBOUNCE_DUE_SCRIPT)
 PARK = Script(PARK_SCRIPT)
+UNPARK = Script(UNPARK_SCRIPT)
 RELEASE = Script(RELEASE_SCRIPT)
 RENEW = Script(RENEW_SCRIPT)
 ACQUIRE_SLOT = Script(ACQUIRE_SLOT_SCRIPT)

@@ -563,6 +563,23 @@ class LockStore:
             parked=bool(int(reply[3])),
         )
 
+    def withdraw(self, key: str, handoff: str, park_ttl_ms: int, limit: int = 1) -> None:
+        """Withdraw a parked call that gave up: it leaves the queue and no copy of it runs.
+
+        A slot already handed to it passes to the next parked call (whose
+        message is published, as after a release). One round trip.
+
+        Raises:
+            LockBackendError: Redis is unreachable or refused the script.
+        """
+        waiters, parked, ran, parking = handoff_keys(key)
+        keys = (*slot_keys(key, limit), waiters, parked, ran, parking)
+        args = (handoff, "withdrawn", park_ttl_ms, self.handoff_ttl_ms, release_channel(key))
+        with self._errors("withdraw", key):
+            reply = self.do_script(scripts.UNPARK, keys, args)
+        if isinstance(reply, list):
+            self._hand_off_reply(key, reply)
+
     def debounce(
         self, key: str, task_id: str, window_ms: int, max_wait_ms: int
     ) -> tuple[bool, str, float]:

@@ -160,3 +160,31 @@ def test_a_freed_slot_is_handed_to_the_first_parked_call(
     granted = store.park(KEY, "v1|c|0|h|1|n2|t|0", TTL, "handoff-c", "w", b"", PARK_TTL, limit=2)
     assert granted.result.acquired and granted.result.key == slot2
     assert store.park(KEY, "x", TTL, "handoff-c", "f", b"", PARK_TTL, limit=2).already_ran
+
+
+def test_a_handed_over_holder_gets_a_larger_fence(store: LockStore) -> None:
+    first = store.acquire(KEY, "holder", TTL)
+    assert first.acquired
+    assert park(store, "v", "handoff").parked
+    store.release(KEY, "holder")
+    granted = park(store, "v", "handoff", copy="woken", msg=b"")
+    assert granted.result.acquired
+    assert granted.result.fence is not None and first.fence is not None
+    assert granted.result.fence > first.fence
+
+
+def test_a_withdrawn_call_leaves_the_queue_and_no_copy_of_it_runs(
+    store: LockStore, lock_client: redis.Redis
+) -> None:
+    assert store.acquire(KEY, "holder", TTL).acquired
+    assert park(store, "a", "handoff-a", msg=b"message-a").parked
+    assert park(store, "b", "handoff-b", msg=b"message-b").parked
+    store.withdraw(KEY, "handoff-a", PARK_TTL)
+    assert park(store, "a2", "handoff-a", copy="net", msg=b"").already_ran
+    store.release(KEY, "holder")  # straight to b
+    assert lock_client.get(KEY) == b"handoff-b"
+    # A lock already handed to a call that then gives up passes on.
+    assert park(store, "c", "handoff-c", msg=b"message-c").parked
+    store.withdraw(KEY, "handoff-b", PARK_TTL)
+    assert lock_client.get(KEY) == b"handoff-c"
+    assert store.handed[-1][1] == "handoff-c"  # type: ignore[attr-defined]

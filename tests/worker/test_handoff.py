@@ -10,9 +10,9 @@ from typing import Any, ClassVar
 
 import pytest
 import redis
-from celery import Celery
+from celery import Celery, group
 
-from celery_redislock import HandOff, SingletonTask
+from celery_redislock import HandOff, LockContended, SingletonTask
 from celery_redislock.keys import debounce_key, handoff_keys, queued_key
 from celery_redislock.store import LockStore
 from tests.conftest import BROKER_DB, embedded_worker
@@ -520,3 +520,90 @@ def test_a_parked_call_that_expired_gives_the_handed_lock_back(
         later = recompute.delay(1, "later")
         assert later.get(timeout=20) == "later"
     assert record.lrange("runs", 0, -1) == ["running", "later"]
+
+
+def test_a_handed_over_call_that_retries_and_parks_again_still_runs(
+    app: Celery, record: redis.Redis, lock_client: redis.Redis
+) -> None:
+    """Its self.retry() is a new attempt: a new hand-off value, not a copy to drop."""
+
+    @app.task(
+        base=SingletonTask,
+        bind=True,
+        shared=False,
+        lock_args=(),
+        lock_ttl=1.5,
+        lock_on_contention=HandOff(jitter=0.1),
+    )
+    def job(self: Any, label: str) -> str:
+        record.rpush("attempts", self.request.retries)
+        if self.request.retries == 0:
+            raise self.retry(countdown=0.3)
+        return label
+
+    key = job.lock_key_for(("x",), {})
+    holder = "v1|holder|0|elsewhere|1|ab|job|0"
+    lock_client.set(key, holder, px=30000)
+    with embedded_worker(app, "threads", 2):
+        result = job.delay("done")
+        wait_until(lambda: lock_client.llen(handoff_keys(key)[0]) == 1, timeout=20)
+        job._lock_settings().backend.release(key, holder)  # handed over: attempt 0 runs
+        wait_until(lambda: record.llen("attempts") == 1, timeout=20)
+        wait_until(lambda: not lock_client.exists(key), timeout=20)
+        lock_client.set(key, holder, px=1000)  # the retry finds it held again and parks
+        assert result.get(timeout=30) == "done"
+    assert record.lrange("attempts", 0, -1) == ["0", "1"]
+
+
+def test_a_coalesced_task_sent_in_a_group_runs_after_the_holder_not_skipped(
+    app: Celery, record: redis.Redis, lock_client: redis.Redis
+) -> None:
+    @app.task(
+        base=SingletonTask,
+        shared=False,
+        lock_args=("account",),
+        lock_ttl=1,
+        lock_enqueue="until_start",
+    )
+    def recompute(account: int) -> int:
+        record.rpush("runs", account)
+        return account
+
+    key = recompute.lock_key_for((1,), {})
+    lock_client.set(key, "v1|holder|0|elsewhere|1|ab|job|0", px=1000)
+    with embedded_worker(app, "threads", 2):
+        result = group(recompute.s(1)).apply_async()  # canvas members skip enqueue dedup
+        assert result.get(timeout=20) == [1]
+    assert record.lrange("runs", 0, -1) == ["1"]
+
+
+def test_a_call_that_gives_up_after_max_wait_never_runs_later(
+    app: Celery, record: redis.Redis, lock_client: redis.Redis
+) -> None:
+    @app.task(
+        base=SingletonTask,
+        shared=False,
+        lock_args=(),
+        lock_ttl=1,
+        lock_on_contention=HandOff(max_wait=0.5, jitter=0.0),
+    )
+    def job(label: str) -> str:
+        record.rpush("runs", label)
+        return label
+
+    key = job.lock_key_for(("x",), {})
+    holder = "v1|holder|0|elsewhere|1|ab|job|0"
+    lock_client.set(key, holder, px=1000)
+    with embedded_worker(app, "threads", 2):
+        result = job.delay("late")
+
+        def failed() -> bool:
+            lock_client.set(key, holder, px=1000)  # the holder lives on (renewed)
+            return result.state == "FAILURE"
+
+        wait_until(failed, timeout=20, interval=0.1)
+        with pytest.raises(LockContended):
+            result.get(timeout=5)
+        job._lock_settings().backend.release(key, holder)
+        assert not lock_client.exists(key)  # nothing handed to the call that gave up
+    assert record.lrange("runs", 0, -1) == []

@@ -103,8 +103,14 @@ class Holds(Generic[H]):
         hold = per_store[(name, owner)] = Hold(handle)
         return hold
 
-    def remove(self, store: Any, name: str, owner: object) -> None:
-        """Forget the owner's hold (its last release)."""
+    def remove(self, store: Any, name: str, owner: object, handle: H) -> None:
+        """Forget the owner's hold of ``handle`` (its last release); idempotent.
+
+        A hold of another handle (a later acquisition) is left alone.
+        """
         per_store = self._by_store.get(store)
-        if per_store is not None:
-            per_store.pop((name, owner), None)
+        if per_store is None:
+            return
+        hold = per_store.get((name, owner))
+        if hold is not None and hold.handle is handle:
+            del per_store[(name, owner)]

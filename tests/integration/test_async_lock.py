@@ -449,3 +449,37 @@ def test_an_async_lock_redis_stops_answering_for_is_lost_locally_once(
     finally:
         lock_lost.disconnect(on_lost)
     assert reasons == ["expired_locally"]
+
+
+def test_a_reentrant_lock_taken_through_wait_for_or_timeout_is_owned_by_the_caller(
+    server: RedisServer, lock_client: redis.Redis
+) -> None:
+    """Python <= 3.11 runs wait_for's coroutine in a task of its own: the owner is still
+    the task that called acquire(), and tasks it starts are still other owners."""
+
+    async def body(client: redis.asyncio.Redis) -> None:
+        lock = AsyncRedisLock(client, "a:waitfor", ttl=5, reentrant=True)
+        assert await asyncio.wait_for(lock.acquire(), timeout=10)
+        assert lock.depth == 1 and lock.owned
+        # Nested, through wait_for and asyncio.timeout: taken again at once.
+        assert await asyncio.wait_for(lock.acquire(timeout=0), timeout=10)
+        async with asyncio.timeout(10):
+            assert await lock.acquire(timeout=0)
+        assert lock.depth == 3
+        async with asyncio.timeout(10):
+            async with AsyncRedisLock(client, "a:waitfor", reentrant=True) as inner:
+                assert inner.depth == 4
+
+        async def other_task() -> bool:
+            return await lock.acquire(blocking=False)
+
+        assert await asyncio.create_task(other_task()) is False
+        assert await asyncio.gather(other_task()) == [False]
+        assert await asyncio.wait_for(lock.release(), timeout=10) is None
+        assert await lock.release() is None
+        assert await asyncio.wait_for(lock.release(), timeout=10) is ReleaseOutcome.RELEASED
+        assert lock.depth == 0 and lock_client.exists("a:waitfor") == 0
+        with pytest.raises(LockNotOwned, match="more times than acquired"):
+            await asyncio.wait_for(lock.release(), timeout=10)
+
+    run(server, body)

@@ -483,3 +483,33 @@ def test_a_reentrant_lock_taken_through_wait_for_or_timeout_is_owned_by_the_call
             await asyncio.wait_for(lock.release(), timeout=10)
 
     run(server, body)
+
+
+def test_each_ended_loop_closes_its_connections_and_can_be_collected(server: RedisServer) -> None:
+    """One long-lived client used from many asyncio.run calls (a script, a CLI, tests):
+    the lock's per-loop connections must not pile up, nor keep the loops alive."""
+    import gc
+    import os
+    import weakref
+
+    client = redis.asyncio.Redis(port=server.port, db=LOCK_DB)
+    loops: list[weakref.ref[asyncio.AbstractEventLoop]] = []
+
+    async def main() -> None:
+        loops.append(weakref.ref(asyncio.get_running_loop()))
+        lock = AsyncRedisLock(client, "a:loops", ttl=0.3)
+        async with lock:
+            await until(lambda: lock.handle is not None and lock.handle.renewals >= 1)
+        await client.aclose()  # the client's own pool (not the lock's connections)
+
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    asyncio.run(main())
+    gc.collect()
+    before = open_fds()
+    for _ in range(20):
+        asyncio.run(main())
+    gc.collect()
+    assert [ref for ref in loops if ref() is not None] == []
+    assert open_fds() - before <= 2, (before, open_fds())

@@ -27,7 +27,7 @@ import inspect
 import logging
 import os
 import weakref
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 import redis.asyncio
@@ -649,19 +649,51 @@ class AsyncRedisLock:
         )
         self._last_contention = result
 
-    def _leave(self, owner: object) -> AsyncLockHandle | None:
-        """Count one release of ``owner``; return the handle if it was the last."""
+    def _exit_step(self, owner: object) -> Callable[[], Awaitable[ReleaseOutcome | None]]:
+        """Count one release (reentrant: of ``owner``), as a step that may run twice.
+
+        Finding the step changes nothing. Running it twice counts the release
+        once: it *sets* the depth this release leaves, and the last release
+        is resumable (``AsyncLockHandle.release`` sends it again after an
+        interruption, and does nothing once done); the hold is forgotten
+        only once its release ran, so an interruption anywhere leaves it
+        for the second run to finish (the sync lock's rule).
+
+        Raises:
+            LockNotOwned: reentrant, and ``owner`` does not hold it.
+        """
+        if not self.reentrant:
+            return self._release_held
+        if owner is None:
+            owner = task_owner()
         hold = _HOLDS.get(self.backend, self.name, owner)
         if hold is None:
             raise LockNotOwned(
                 self.name,
                 "the running task does not hold it (released more times than acquired?)",
             )
-        if hold.depth > 1:
-            hold.depth -= 1
+        depth = hold.depth
+
+        async def step() -> ReleaseOutcome | None:
+            if depth > 1:
+                hold.depth = depth - 1
+                return None
+            try:
+                return await hold.handle.release()
+            finally:
+                _HOLDS.remove(self.backend, self.name, owner, hold.handle)
+
+        return step
+
+    async def _release_held(self) -> ReleaseOutcome | None:
+        """Release this (non-reentrant) object's handle; safe to run again."""
+        handle = self.handle
+        if handle is None:
             return None
-        _HOLDS.remove(self.backend, self.name, owner, hold.handle)
-        return hold.handle
+        outcome = await handle.release()
+        if self.handle is handle:
+            self.handle = None
+        return outcome
 
     def release(self) -> Coroutine[Any, Any, ReleaseOutcome | None]:
         """Release the lock if held (await the result); never raises a Redis error.
@@ -678,20 +710,18 @@ class AsyncRedisLock:
         return self._release(_caller_owner() if self.reentrant else None)
 
     async def _release(self, owner: object) -> ReleaseOutcome | None:
-        if self.reentrant:
-            handle = self._leave(task_owner() if owner is None else owner)
-        else:
-            handle = self.handle
-        if handle is None:
-            return None
+        step: Callable[[], Awaitable[ReleaseOutcome | None]] | None = None
         try:
-            outcome = await handle.release()
-        except BaseException:
-            await handle.release()  # once more, then re-raise: deferred, not lost
+            step = self._exit_step(owner)
+            return await step()
+        except LockNotOwned:
             raise
-        if self.handle is handle:
-            self.handle = None
-        return outcome
+        except BaseException:
+            # Once more, then re-raise: deferred, not lost, counted once.
+            if step is None:
+                step = self._exit_step(owner)
+            await step()
+            raise
 
     def extend(self, ttl: float | None = None) -> Coroutine[Any, Any, None]:
         """Reset the TTL now (await the result).
@@ -715,13 +745,33 @@ class AsyncRedisLock:
         await handle.extend(ttl)
 
     async def __aenter__(self) -> AsyncRedisLock:
-        if not await self.acquire():
-            last = self._last_contention
-            raise LockContended(self.name, last.holder_task_id, last.ttl_remaining)
-        return self
+        depth_before, handle_before = self.depth, self.handle
+        try:
+            if not await self.acquire():
+                last = self._last_contention
+                raise LockContended(self.name, last.holder_task_id, last.ttl_remaining)
+            return self
+        except BaseException:
+            # Interrupted after acquiring, before the block is entered: its
+            # __aexit__ will not run, so give this acquisition back here.
+            if self.depth > depth_before or self.handle not in (None, handle_before):
+                await self.__aexit__(None, None, None)
+            raise
 
     async def __aexit__(self, *exc_info: object) -> None:
-        await self.release()
+        # _release() inline (awaiting it would add its first instruction to
+        # the unprotected spot): see there.
+        step: Callable[[], Awaitable[ReleaseOutcome | None]] | None = None
+        try:
+            step = self._exit_step(None)
+            await step()
+        except LockNotOwned:
+            raise
+        except BaseException:
+            if step is None:
+                step = self._exit_step(None)
+            await step()
+            raise
 
     def __call__(self, function: F) -> F:
         """Use the lock as a decorator of a coroutine function: each call holds it.

@@ -418,7 +418,7 @@ class RedisLock:
         except BaseException:
             # Interrupted after acquiring, before the block is entered: its
             # __exit__ will not run, so give this acquisition back here.
-            if self.depth > depth_before or self.handle is not handle_before:
+            if self.depth > depth_before or self.handle not in (None, handle_before):
                 self.__exit__(None, None, None)
             raise
 

@@ -6,6 +6,7 @@ Coroutines are driven by ``asyncio.run`` from sync tests (no pytest plugin).
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import threading
 from collections.abc import Awaitable, Callable
@@ -513,3 +514,128 @@ def test_each_ended_loop_closes_its_connections_and_can_be_collected(server: Red
     gc.collect()
     assert [ref for ref in loops if ref() is not None] == []
     assert open_fds() - before <= 2, (before, open_fds())
+
+
+class _Interrupt(Exception):
+    """Stands for an exception a signal handler raises (KeyboardInterrupt would end the loop)."""
+
+
+def test_an_exception_on_any_line_of_a_reentrant_async_exit_releases_once(
+    server: RedisServer, lock_client: redis.Redis
+) -> None:
+    import sys
+
+    import celery_redislock.aiolock
+    import celery_redislock.owners
+
+    files = {celery_redislock.aiolock.__file__, celery_redislock.owners.__file__}
+    # Not on the lines of __aexit__ before its try: no signal is delivered on a
+    # store or a NOP, only on the call's first instruction (documented).
+    source, first = inspect.getsourcelines(AsyncRedisLock.__aexit__)
+    try_line = first + next(i for i, line in enumerate(source) if line.strip() == "try:")
+
+    def interrupting_at(n: int) -> Any:
+        seen = [0]
+
+        def local(frame: Any, event: str, arg: Any) -> Any:
+            if event == "line":
+                if frame.f_code.co_name == "__aexit__" and frame.f_lineno <= try_line:
+                    return local
+                seen[0] += 1
+                if seen[0] == n:
+                    raise _Interrupt(f"line {frame.f_lineno} of {frame.f_code.co_name}")
+            return local
+
+        task = asyncio.current_task()  # not in the loop's other tasks (the renewer)
+
+        def tracer(frame: Any, event: str, arg: Any) -> Any:
+            if frame.f_code.co_filename in files and asyncio.current_task() is task:
+                return local
+            return None
+
+        return tracer
+
+    async def body(client: redis.asyncio.Redis) -> int:
+        lock = AsyncRedisLock(client, "a:exit-any", ttl=5, reentrant=True)
+        n = 0
+        while True:
+            n += 1
+            interrupted = False
+            try:
+                async with lock:
+                    async with lock:
+                        handle = lock._current()
+                        sys.settrace(interrupting_at(n))
+                    sys.settrace(None)  # the nested exit only: the outer one is checked below
+                    assert lock.depth == 1 and lock_client.exists("a:exit-any") == 1
+                    sys.settrace(interrupting_at(n))
+            except _Interrupt:
+                interrupted = True
+            finally:
+                sys.settrace(None)
+            where = f"interrupted at line event {n}" if interrupted else "not interrupted"
+            assert handle is not None and handle.released, where
+            assert lock.depth == 0 and lock_client.exists("a:exit-any") == 0, where
+            with pytest.raises(LockNotOwned):
+                await lock.release()  # counted exactly once
+            if not interrupted:
+                return n
+
+    assert run(server, body) > 3
+
+
+def test_an_exception_on_any_line_of_a_nested_async_enter_counts_it_once(
+    server: RedisServer, lock_client: redis.Redis
+) -> None:
+    import sys
+
+    import celery_redislock.aiolock
+    import celery_redislock.owners
+
+    files = {celery_redislock.aiolock.__file__, celery_redislock.owners.__file__}
+
+    def interrupting_at(n: int) -> Any:
+        seen = [0]
+
+        def local(frame: Any, event: str, arg: Any) -> Any:
+            if event == "line" and frame.f_code.co_name != "__aexit__":  # enter only
+                seen[0] += 1
+                if seen[0] == n:
+                    raise _Interrupt(f"line {frame.f_lineno} of {frame.f_code.co_name}")
+            return local
+
+        task = asyncio.current_task()  # not in the loop's other tasks (the renewer)
+
+        def tracer(frame: Any, event: str, arg: Any) -> Any:
+            if frame.f_code.co_filename in files and asyncio.current_task() is task:
+                return local
+            return None
+
+        return tracer
+
+    async def body(client: redis.asyncio.Redis) -> int:
+        lock = AsyncRedisLock(client, "a:enter-any", ttl=5, reentrant=True)
+        n = 0
+        async with lock:
+            value = lock_client.get("a:enter-any")
+            while True:
+                n += 1
+                interrupted = False
+                try:
+                    sys.settrace(interrupting_at(n))
+                    async with lock:
+                        sys.settrace(None)
+                        assert lock.depth == 2
+                except _Interrupt:
+                    interrupted = True
+                finally:
+                    sys.settrace(None)
+                where = f"interrupted at line event {n}" if interrupted else "not interrupted"
+                assert lock.depth == 1, where
+                assert lock_client.get("a:enter-any") == value, where
+                if not interrupted:
+                    break
+        assert lock.depth == 0 and lock_client.exists("a:enter-any") == 0
+        return n
+
+    assert run(server, body) > 5

@@ -126,13 +126,17 @@ class _LoopConnections:
         idle, self.idle = self.idle, weakref.WeakKeyDictionary()
         loop_closed = self.loop.is_closed()
         for connections in list(idle.values()):
-            while connections:
-                close_connection(connections.pop(), loop_closed)
+            while True:
+                try:  # another thread may be closing the same closed loop's set
+                    connection = connections.pop()
+                except IndexError:
+                    break
+                close_connection(connection, loop_closed)
 
     def close_closed(self) -> None:
         """Close it (the loop is closed and never shut its generators down)."""
         self.close()
-        with contextlib.suppress(StopIteration, RuntimeError):
+        with contextlib.suppress(Exception):  # StopIteration, or running in another thread
             # Finish the generator here: left for the garbage collector, it
             # would ask the closed loop to close it (and fail noisily).
             self._watch.aclose().send(None)
@@ -154,7 +158,7 @@ def _loop_connections() -> _LoopConnections:
     loop = asyncio.get_running_loop()
     found = _LOOPS.get(loop)
     if found is None:
-        for other in [entry for entry in _LOOPS.values() if entry.loop.is_closed()]:
+        for other in [entry for entry in list(_LOOPS.values()) if entry.loop.is_closed()]:
             other.close_closed()
         found = _LOOPS[loop] = _LoopConnections(loop)
     return found

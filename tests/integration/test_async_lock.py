@@ -639,3 +639,37 @@ def test_an_exception_on_any_line_of_a_nested_async_enter_counts_it_once(
         return n
 
     assert run(server, body) > 5
+
+
+def test_a_loop_closed_without_shutting_down_has_its_connections_closed_at_the_next_use(
+    server: RedisServer,
+) -> None:
+    import gc
+    import os
+    import weakref
+
+    client = redis.asyncio.Redis(port=server.port, db=LOCK_DB)
+    loops: list[weakref.ref[asyncio.AbstractEventLoop]] = []
+
+    async def main() -> None:
+        loops.append(weakref.ref(asyncio.get_running_loop()))
+        async with AsyncRedisLock(client, "a:closed-loops", ttl=5):
+            pass
+        await client.aclose()
+
+    def once() -> None:
+        loop = asyncio.new_event_loop()
+        try:
+            loop.run_until_complete(main())
+        finally:
+            loop.close()  # no shutdown_asyncgens(): the lock cannot tell
+
+    once()
+    gc.collect()
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(10):
+        once()
+    gc.collect()
+    # Only the last loop is still waiting for a next use to close its connections.
+    assert [ref for ref in loops[:-1] if ref() is not None] == []
+    assert len(os.listdir("/proc/self/fd")) - before <= 2

@@ -27,7 +27,7 @@ import inspect
 import logging
 import os
 import weakref
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 import redis.asyncio
@@ -63,6 +63,22 @@ _DRIFT_FLOOR = 0.002
 _FIRST_TAKE_BACK_WAIT = 2.0
 
 _HOLDS: Holds[AsyncLockHandle] = Holds()
+
+
+def _caller_owner() -> object:
+    """The owner token of the task calling a lock method, or None outside a task.
+
+    Resolved when ``acquire()``/``release()``/``extend()`` is *called*, not
+    when its coroutine runs: ``asyncio.wait_for`` and ``asyncio.shield``
+    (Python <= 3.11) run the coroutine in a task of their own, which must
+    act for the caller. Outside a task (``asyncio.run(lock.acquire())``)
+    it is resolved when the coroutine runs.
+    """
+    if asyncio._get_running_loop() is None or asyncio.current_task() is None:
+        return None
+    return task_owner()
+
+
 # Background take-backs: referenced until done (the loop keeps only weak ones).
 _BACKGROUND: set[asyncio.Task[Any]] = set()
 
@@ -431,9 +447,11 @@ class AsyncRedisLock:
         timeout: Default longest wait in seconds (``None``: as long as it takes).
         store: The :class:`~celery_redislock.aiostore.AsyncLockStore` to use;
             default: the one shared by every lock on ``client``'s pool.
-        reentrant: Owned by the asyncio task that took it, which may take it
-            again; each acquire needs its release. Another task's release or
-            extend raises ``LockNotOwned``.
+        reentrant: Owned by the asyncio task that calls :meth:`acquire`
+            (decided at the call, so ``asyncio.wait_for(lock.acquire(), t)``
+            acquires for the caller), which may take it again; each acquire
+            needs its release. Another task's release or extend raises
+            ``LockNotOwned``.
 
     Raises:
         ConfigurationError: bad name, TTL or client.
@@ -502,8 +520,15 @@ class AsyncRedisLock:
         hold = self._hold()
         return 0 if hold is None else hold.depth
 
-    async def acquire(self, blocking: bool | None = None, timeout: float | None = None) -> bool:
-        """Take the lock.
+    def acquire(
+        self, blocking: bool | None = None, timeout: float | None = None
+    ) -> Coroutine[Any, Any, bool]:
+        """Take the lock (await the result).
+
+        Reentrant: the owner is the task that *calls* ``acquire()``, resolved
+        at the call, so a coroutine that ``asyncio.wait_for`` or
+        ``asyncio.shield`` runs in a task of its own (Python <= 3.11) still
+        acquires for its caller.
 
         Args:
             blocking: Wait for the holder to release (woken by its release
@@ -519,9 +544,12 @@ class AsyncRedisLock:
             LockNotOwned: reentrant, and the task's outer acquisition was lost.
             RuntimeError: this (non-reentrant) object already holds the lock.
         """
-        owner: object = None
+        return self._acquire(_caller_owner() if self.reentrant else None, blocking, timeout)
+
+    async def _acquire(self, owner: object, blocking: bool | None, timeout: float | None) -> bool:
         if self.reentrant:
-            owner = task_owner()
+            if owner is None:
+                owner = task_owner()
             hold = _HOLDS.get(self.backend, self.name, owner)
             if hold is not None:
                 if hold.handle.lost:
@@ -585,8 +613,8 @@ class AsyncRedisLock:
             # value back before re-raising (a second cancellation cuts only
             # the wait, not the take-back).
             self.handle = None
-            if self.reentrant:
-                _HOLDS.remove(self.backend, self.name, owner)
+            if self.reentrant and handle is not None:
+                _HOLDS.remove(self.backend, self.name, owner, handle)
             if handle is not None:
                 handle.released = True
                 handle._stop_renewal()
@@ -621,66 +649,129 @@ class AsyncRedisLock:
         )
         self._last_contention = result
 
-    def _leave(self) -> AsyncLockHandle | None:
-        """Count one release of the running task; return the handle if it was the last."""
-        owner = task_owner()
+    def _exit_step(self, owner: object) -> Callable[[], Awaitable[ReleaseOutcome | None]]:
+        """Count one release (reentrant: of ``owner``), as a step that may run twice.
+
+        Finding the step changes nothing. Running it twice counts the release
+        once: it *sets* the depth this release leaves, and the last release
+        is resumable (``AsyncLockHandle.release`` sends it again after an
+        interruption, and does nothing once done); the hold is forgotten
+        only once its release ran, so an interruption anywhere leaves it
+        for the second run to finish (the sync lock's rule).
+
+        Raises:
+            LockNotOwned: reentrant, and ``owner`` does not hold it.
+        """
+        if not self.reentrant:
+            return self._release_held
+        if owner is None:
+            owner = task_owner()
         hold = _HOLDS.get(self.backend, self.name, owner)
         if hold is None:
             raise LockNotOwned(
                 self.name,
                 "the running task does not hold it (released more times than acquired?)",
             )
-        if hold.depth > 1:
-            hold.depth -= 1
-            return None
-        _HOLDS.remove(self.backend, self.name, owner)
-        return hold.handle
+        depth = hold.depth
 
-    async def release(self) -> ReleaseOutcome | None:
-        """Release the lock if held; never raises a Redis error.
+        async def step() -> ReleaseOutcome | None:
+            if depth > 1:
+                hold.depth = depth - 1
+                return None
+            try:
+                return await hold.handle.release()
+            finally:
+                _HOLDS.remove(self.backend, self.name, owner, hold.handle)
 
-        A release cut off by a cancellation is sent again before the
-        cancellation propagates. A reentrant lock is released by its task,
-        once per acquire; only the last release is sent (the nested ones
-        return ``None``).
+        return step
 
-        Raises:
-            LockNotOwned: reentrant, and the running task does not hold it.
-        """
-        handle = self._leave() if self.reentrant else self.handle
+    async def _release_held(self) -> ReleaseOutcome | None:
+        """Release this (non-reentrant) object's handle; safe to run again."""
+        handle = self.handle
         if handle is None:
             return None
-        try:
-            outcome = await handle.release()
-        except BaseException:
-            await handle.release()  # once more, then re-raise: deferred, not lost
-            raise
+        outcome = await handle.release()
         if self.handle is handle:
             self.handle = None
         return outcome
 
-    async def extend(self, ttl: float | None = None) -> None:
-        """Reset the TTL now.
+    def release(self) -> Coroutine[Any, Any, ReleaseOutcome | None]:
+        """Release the lock if held (await the result); never raises a Redis error.
+
+        A release cut off by a cancellation is sent again before the
+        cancellation propagates. A reentrant lock is released by its task,
+        once per acquire; only the last release is sent (the nested ones
+        return ``None``). As for :meth:`acquire`, the owner is the task
+        that calls ``release()``.
 
         Raises:
-            LockNotOwned: not held by this object (reentrant: by the running
-                task), or no longer ours.
+            LockNotOwned: reentrant, and the running task does not hold it.
+        """
+        return self._release(_caller_owner() if self.reentrant else None)
+
+    async def _release(self, owner: object) -> ReleaseOutcome | None:
+        step: Callable[[], Awaitable[ReleaseOutcome | None]] | None = None
+        try:
+            step = self._exit_step(owner)
+            return await step()
+        except LockNotOwned:
+            raise
+        except BaseException:
+            # Once more, then re-raise: deferred, not lost, counted once.
+            if step is None:
+                step = self._exit_step(owner)
+            await step()
+            raise
+
+    def extend(self, ttl: float | None = None) -> Coroutine[Any, Any, None]:
+        """Reset the TTL now (await the result).
+
+        Raises:
+            LockNotOwned: not held by this object (reentrant: by the task that
+                calls ``extend()``), or no longer ours.
             LockBackendError: Redis is unreachable.
         """
-        handle = self._current()
+        return self._extend(_caller_owner() if self.reentrant else None, ttl)
+
+    async def _extend(self, owner: object, ttl: float | None) -> None:
+        if self.reentrant:
+            hold = _HOLDS.get(self.backend, self.name, task_owner() if owner is None else owner)
+            handle = None if hold is None else hold.handle
+        else:
+            handle = self.handle
         if handle is None:
             holder = "the running task" if self.reentrant else "this object"
             raise LockNotOwned(self.name, f"it is not held by {holder}")
         await handle.extend(ttl)
 
     async def __aenter__(self) -> AsyncRedisLock:
-        if not await self.acquire():
-            last = self._last_contention
-            raise LockContended(self.name, last.holder_task_id, last.ttl_remaining)
-        return self
+        depth_before, handle_before = self.depth, self.handle
+        try:
+            if not await self.acquire():
+                last = self._last_contention
+                raise LockContended(self.name, last.holder_task_id, last.ttl_remaining)
+            return self
+        except BaseException:
+            # Interrupted after acquiring, before the block is entered: its
+            # __aexit__ will not run, so give this acquisition back here.
+            if self.depth > depth_before or self.handle not in (None, handle_before):
+                await self.__aexit__(None, None, None)
+            raise
 
     async def __aexit__(self, *exc_info: object) -> None:
-        await self.release()
+        # _release() inline (awaiting it would add its first instruction to
+        # the unprotected spot): see there.
+        step: Callable[[], Awaitable[ReleaseOutcome | None]] | None = None
+        try:
+            step = self._exit_step(None)
+            await step()
+        except LockNotOwned:
+            raise
+        except BaseException:
+            if step is None:
+                step = self._exit_step(None)
+            await step()
+            raise
 
     def __call__(self, function: F) -> F:
         """Use the lock as a decorator of a coroutine function: each call holds it.

@@ -31,7 +31,7 @@ import os
 import threading
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import redis.asyncio
 import redis.asyncio.sentinel
@@ -87,6 +87,99 @@ def drop_connection(connection: Any) -> None:
     connection._reader = connection._writer = None
 
 
+class _LoopConnections:
+    """The idle connections of one event loop, per endpoint, closed when the loop ends.
+
+    A connection holds its loop (its stream reader and transport do), so an
+    idle set kept for a loop keeps that loop alive: a weak key would never
+    die. The sets are therefore dropped, and their sockets closed, when the
+    loop ends: ``asyncio.run`` (and any loop that calls
+    ``shutdown_asyncgens()``) closes the async generator started here at
+    shutdown, whose ``finally`` closes them; for a loop closed without it,
+    the next use of any endpoint from another loop finds it closed and
+    closes them then.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.idle: weakref.WeakKeyDictionary[AsyncEndpoint, collections.deque[Any]] = (
+            weakref.WeakKeyDictionary()
+        )
+        # An async generator, not a task: a task of ours would show up in
+        # asyncio.all_tasks() (and hang code that awaits them all).
+        self._watch = cast(Any, self._until_shutdown())
+        with contextlib.suppress(StopIteration):
+            # Its first step, run here: the loop's first-iteration hook
+            # registers it for shutdown_asyncgens() (no await inside).
+            self._watch.__anext__().send(None)
+
+    async def _until_shutdown(self) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Close every idle connection of the loop, now, and forget the loop."""
+        if _LOOPS.get(self.loop) is self:
+            _LOOPS.pop(self.loop, None)
+        idle, self.idle = self.idle, weakref.WeakKeyDictionary()
+        loop_closed = self.loop.is_closed()
+        for connections in list(idle.values()):
+            while True:
+                try:  # another thread may be closing the same closed loop's set
+                    connection = connections.pop()
+                except IndexError:
+                    break
+                close_connection(connection, loop_closed)
+
+    def close_closed(self) -> None:
+        """Close it (the loop is closed and never shut its generators down)."""
+        self.close()
+        with contextlib.suppress(Exception):  # StopIteration, or running in another thread
+            # Finish the generator here: left for the garbage collector, it
+            # would ask the closed loop to close it (and fail noisily).
+            self._watch.aclose().send(None)
+
+
+# The loops with idle connections, strongly: each entry is dropped when its loop ends.
+_LOOPS: dict[asyncio.AbstractEventLoop, _LoopConnections] = {}
+_LOOPS_PID = [os.getpid()]
+
+
+def _loop_connections() -> _LoopConnections:
+    if _LOOPS_PID[0] != os.getpid():
+        # A forked child: the parent's sockets are left to the parent (its
+        # entries' generators, collected, then have nothing to close).
+        for entry in list(_LOOPS.values()):
+            entry.idle = weakref.WeakKeyDictionary()
+        _LOOPS.clear()
+        _LOOPS_PID[0] = os.getpid()
+    loop = asyncio.get_running_loop()
+    found = _LOOPS.get(loop)
+    if found is None:
+        for other in [entry for entry in list(_LOOPS.values()) if entry.loop.is_closed()]:
+            other.close_closed()
+        found = _LOOPS[loop] = _LoopConnections(loop)
+    return found
+
+
+def close_connection(connection: Any, loop_closed: bool) -> None:
+    """Close ``connection``'s socket now (no await), even when its loop is closed.
+
+    On a closed loop the transport cannot schedule its own close; its
+    socket is closed here instead of by the garbage collector (which warns).
+    """
+    writer = getattr(connection, "_writer", None)
+    transport = None if writer is None else writer.transport
+    drop_connection(connection)
+    if loop_closed and transport is not None:
+        # What abort() would have scheduled on the loop: the transport's own
+        # close (its socket, its protocol, its references to the loop).
+        with contextlib.suppress(Exception):
+            transport._call_connection_lost(None)
+
+
 class AsyncEndpoint:
     """One Redis server for one kind of caller, with an idle set per event loop.
 
@@ -103,18 +196,12 @@ class AsyncEndpoint:
         self._make = make_connection
         self.retries = retries
         self.encoding = encoding
-        self._idle: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, collections.deque[Any]]
-        self._idle = weakref.WeakKeyDictionary()
-        self._pid = os.getpid()
 
     def _idle_set(self) -> collections.deque[Any]:
-        if self._pid != os.getpid():
-            # A forked child: the parent's sockets are left to the parent.
-            self._idle, self._pid = weakref.WeakKeyDictionary(), os.getpid()
-        loop = asyncio.get_running_loop()
-        idle = self._idle.get(loop)
+        per_loop = _loop_connections()
+        idle = per_loop.idle.get(self)
         if idle is None:
-            idle = self._idle.setdefault(loop, collections.deque())
+            idle = per_loop.idle.setdefault(self, collections.deque())
         return idle
 
     def idle_connections(self) -> list[Any]:

@@ -282,8 +282,8 @@ class RedisLock:
             # may be in Redis, and the caller will not release what acquire()
             # did not report. Take it back out, then re-raise.
             self.handle = None
-            if self.reentrant:
-                _HOLDS.remove(self.backend, self.name, owner)
+            if self.reentrant and handle is not None:
+                _HOLDS.remove(self.backend, self.name, owner, handle)
             if handle is not None:
                 release_completely(handle.release)
             else:
@@ -331,25 +331,46 @@ class RedisLock:
             LockNotOwned: reentrant, and the calling thread does not hold it
                 (another thread's lock, or released more times than acquired).
         """
-        if self.reentrant:
-            return self._release_reentrant()
+        # Only the first instruction, before the try, is unprotected (the
+        # same shape in __exit__, inline there for the same reason).
+        step: Callable[[], ReleaseOutcome | None] | None = None
+        try:
+            step = self._leave() if self.reentrant else self._release_held
+            return step()
+        except LockNotOwned:
+            raise
+        except BaseException:
+            # Once more, then re-raise: deferred, not lost. _leave() changes
+            # nothing; its step run twice counts the release once and sends
+            # the last one again; the plain handle's release is resumable.
+            if step is None:
+                step = self._leave() if self.reentrant else self._release_held
+            step()
+            raise
+
+    def _release_held(self) -> ReleaseOutcome | None:
+        """Release this (non-reentrant) object's handle; safe to run again."""
         handle = self.handle
         if handle is None:
             return None
-        try:
-            outcome = handle.release()
-        except BaseException:
-            handle.release()  # once more, then re-raise: deferred, not lost
-            raise
+        outcome = handle.release()
         if self.handle is handle:
             self.handle = None
         return outcome
 
-    def _leave(self) -> LockHandle | None:
-        """Count one release of the calling thread; return the handle if it was the last.
+    def _leave(self) -> Callable[[], ReleaseOutcome | None]:
+        """Count one release of the calling thread, as a step that may run twice.
 
-        Purely local (no round trip), so it is never half done and never
-        sent twice; the caller then releases the returned handle.
+        Returns the step; the caller runs it, and runs it again if an
+        exception interrupts it. Running it twice counts the release once:
+        it *sets* the depth this release leaves (never decrements it again),
+        and the last release is resumable (``LockHandle.release`` sends it
+        again after an interruption, and does nothing once done). The hold
+        is forgotten only after its release was sent, so an interruption
+        anywhere leaves the hold in place for the second run to finish.
+
+        Raises:
+            LockNotOwned: the calling thread does not hold it.
         """
         owner = thread_owner()
         hold = _HOLDS.get(self.backend, self.name, owner)
@@ -358,21 +379,18 @@ class RedisLock:
                 self.name,
                 "the calling thread does not hold it (released more times than acquired?)",
             )
-        if hold.depth > 1:
-            hold.depth -= 1
-            return None
-        _HOLDS.remove(self.backend, self.name, owner)
-        return hold.handle
+        depth = hold.depth
 
-    def _release_reentrant(self) -> ReleaseOutcome | None:
-        handle = self._leave()
-        if handle is None:
-            return None
-        try:
-            return handle.release()
-        except BaseException:
-            handle.release()  # once more, then re-raise: deferred, not lost
-            raise
+        def step() -> ReleaseOutcome | None:
+            if depth > 1:
+                hold.depth = depth - 1
+                return None
+            try:
+                return hold.handle.release()
+            finally:
+                _HOLDS.remove(self.backend, self.name, owner, hold.handle)
+
+        return step
 
     def extend(self, ttl: float | None = None) -> None:
         """Reset the TTL now. See :meth:`LockHandle.extend`.
@@ -391,23 +409,32 @@ class RedisLock:
         # Scoped: if __exit__ never runs its release (an exception landing on
         # its first instruction), dropping this object stops the renewal and
         # takes the value back, instead of renewing it for ever.
-        if not self._acquire(None, None, scoped=True):
-            last = self._last_contention
-            raise LockContended(self.name, last.holder_task_id, last.ttl_remaining)
-        return self
+        depth_before, handle_before = self.depth, self.handle
+        try:
+            if not self._acquire(None, None, scoped=True):
+                last = self._last_contention
+                raise LockContended(self.name, last.holder_task_id, last.ttl_remaining)
+            return self
+        except BaseException:
+            # Interrupted after acquiring, before the block is entered: its
+            # __exit__ will not run, so give this acquisition back here.
+            if self.depth > depth_before or self.handle not in (None, handle_before):
+                self.__exit__(None, None, None)
+            raise
 
     def __exit__(self, *exc_info: object) -> None:
-        if self.reentrant:
-            # Not retried as a whole: a second _leave() would count a
-            # release twice. The handle's release is resumable on its own.
-            handle = self._leave()
-            if handle is not None:
-                release_completely(handle.release)
-            return
+        # release() inline (a call would add its first instruction to the
+        # unprotected spot): see release() for the retry.
+        step: Callable[[], ReleaseOutcome | None] | None = None
         try:
-            self.release()
+            step = self._leave() if self.reentrant else self._release_held
+            step()
+        except LockNotOwned:
+            raise
         except BaseException:
-            self.release()
+            if step is None:
+                step = self._leave() if self.reentrant else self._release_held
+            step()
             raise
 
     def __call__(self, function: F) -> F:

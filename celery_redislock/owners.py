@@ -28,14 +28,26 @@ __all__ = ["Hold", "Holds", "task_owner", "thread_owner"]
 H = TypeVar("H")
 
 
-class _ThreadToken(threading.local):
-    """One token per thread (per greenlet under gevent), never reused."""
+# One thread-local object per ``threading.local`` class: the class is looked
+# up at each call, not bound at import, because the package may be imported
+# before gevent patches ``threading`` (gunicorn --preload): a native
+# thread-local would then be shared by every greenlet of the thread, and all
+# of them would own each other's locks. The same reason as takeback.py's.
+_LOCALS: dict[type, Any] = {}
 
-    def __init__(self) -> None:
-        self.token = object()
+
+def _thread_token() -> object:
+    """A token per thread (per greenlet once gevent patched threading), never reused."""
+    local_class = threading.local
+    local = _LOCALS.get(local_class)
+    if local is None:
+        local = _LOCALS.setdefault(local_class, local_class())
+    token = getattr(local, "token", None)
+    if token is None:
+        token = local.token = object()
+    return token
 
 
-_THREAD = _ThreadToken()
 _TASKS: weakref.WeakKeyDictionary[asyncio.Task[Any], object] = weakref.WeakKeyDictionary()
 
 
@@ -48,7 +60,7 @@ def thread_owner() -> object:
     """
     if asyncio._get_running_loop() is not None and asyncio.current_task() is not None:
         return task_owner()
-    return _THREAD.token
+    return _thread_token()
 
 
 def task_owner() -> object:
@@ -103,8 +115,14 @@ class Holds(Generic[H]):
         hold = per_store[(name, owner)] = Hold(handle)
         return hold
 
-    def remove(self, store: Any, name: str, owner: object) -> None:
-        """Forget the owner's hold (its last release)."""
+    def remove(self, store: Any, name: str, owner: object, handle: H) -> None:
+        """Forget the owner's hold of ``handle`` (its last release); idempotent.
+
+        A hold of another handle (a later acquisition) is left alone.
+        """
         per_store = self._by_store.get(store)
-        if per_store is not None:
-            per_store.pop((name, owner), None)
+        if per_store is None:
+            return
+        hold = per_store.get((name, owner))
+        if hold is not None and hold.handle is handle:
+            del per_store[(name, owner)]

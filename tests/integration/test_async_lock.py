@@ -6,6 +6,7 @@ Coroutines are driven by ``asyncio.run`` from sync tests (no pytest plugin).
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import threading
 from collections.abc import Awaitable, Callable
@@ -449,3 +450,226 @@ def test_an_async_lock_redis_stops_answering_for_is_lost_locally_once(
     finally:
         lock_lost.disconnect(on_lost)
     assert reasons == ["expired_locally"]
+
+
+def test_a_reentrant_lock_taken_through_wait_for_or_timeout_is_owned_by_the_caller(
+    server: RedisServer, lock_client: redis.Redis
+) -> None:
+    """Python <= 3.11 runs wait_for's coroutine in a task of its own: the owner is still
+    the task that called acquire(), and tasks it starts are still other owners."""
+
+    async def body(client: redis.asyncio.Redis) -> None:
+        lock = AsyncRedisLock(client, "a:waitfor", ttl=5, reentrant=True)
+        assert await asyncio.wait_for(lock.acquire(), timeout=10)
+        assert lock.depth == 1 and lock.owned
+        # Nested, through wait_for and asyncio.timeout: taken again at once.
+        assert await asyncio.wait_for(lock.acquire(timeout=0), timeout=10)
+        async with asyncio.timeout(10):
+            assert await lock.acquire(timeout=0)
+        assert lock.depth == 3
+        async with asyncio.timeout(10):
+            async with AsyncRedisLock(client, "a:waitfor", reentrant=True) as inner:
+                assert inner.depth == 4
+
+        async def other_task() -> bool:
+            return await lock.acquire(blocking=False)
+
+        assert await asyncio.create_task(other_task()) is False
+        assert await asyncio.gather(other_task()) == [False]
+        assert await asyncio.wait_for(lock.release(), timeout=10) is None
+        assert await lock.release() is None
+        assert await asyncio.wait_for(lock.release(), timeout=10) is ReleaseOutcome.RELEASED
+        assert lock.depth == 0 and lock_client.exists("a:waitfor") == 0
+        with pytest.raises(LockNotOwned, match="more times than acquired"):
+            await asyncio.wait_for(lock.release(), timeout=10)
+
+    run(server, body)
+
+
+def test_each_ended_loop_closes_its_connections_and_can_be_collected(server: RedisServer) -> None:
+    """One long-lived client used from many asyncio.run calls (a script, a CLI, tests):
+    the lock's per-loop connections must not pile up, nor keep the loops alive."""
+    import gc
+    import os
+    import weakref
+
+    client = redis.asyncio.Redis(port=server.port, db=LOCK_DB)
+    loops: list[weakref.ref[asyncio.AbstractEventLoop]] = []
+
+    async def main() -> None:
+        loops.append(weakref.ref(asyncio.get_running_loop()))
+        lock = AsyncRedisLock(client, "a:loops", ttl=0.3)
+        async with lock:
+            await until(lambda: lock.handle is not None and lock.handle.renewals >= 1)
+        await client.aclose()  # the client's own pool (not the lock's connections)
+
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    asyncio.run(main())
+    gc.collect()
+    before = open_fds()
+    for _ in range(20):
+        asyncio.run(main())
+    gc.collect()
+    assert [ref for ref in loops if ref() is not None] == []
+    assert open_fds() - before <= 2, (before, open_fds())
+
+
+class _Interrupt(Exception):
+    """Stands for an exception a signal handler raises (KeyboardInterrupt would end the loop)."""
+
+
+def test_an_exception_on_any_line_of_a_reentrant_async_exit_releases_once(
+    server: RedisServer, lock_client: redis.Redis
+) -> None:
+    import sys
+
+    import celery_redislock.aiolock
+    import celery_redislock.owners
+
+    files = {celery_redislock.aiolock.__file__, celery_redislock.owners.__file__}
+    # Not on the lines of __aexit__ before its try: no signal is delivered on a
+    # store or a NOP, only on the call's first instruction (documented).
+    source, first = inspect.getsourcelines(AsyncRedisLock.__aexit__)
+    try_line = first + next(i for i, line in enumerate(source) if line.strip() == "try:")
+
+    def interrupting_at(n: int) -> Any:
+        seen = [0]
+
+        def local(frame: Any, event: str, arg: Any) -> Any:
+            if event == "line":
+                if frame.f_code.co_name == "__aexit__" and frame.f_lineno <= try_line:
+                    return local
+                seen[0] += 1
+                if seen[0] == n:
+                    raise _Interrupt(f"line {frame.f_lineno} of {frame.f_code.co_name}")
+            return local
+
+        task = asyncio.current_task()  # not in the loop's other tasks (the renewer)
+
+        def tracer(frame: Any, event: str, arg: Any) -> Any:
+            if frame.f_code.co_filename in files and asyncio.current_task() is task:
+                return local
+            return None
+
+        return tracer
+
+    async def body(client: redis.asyncio.Redis) -> int:
+        lock = AsyncRedisLock(client, "a:exit-any", ttl=5, reentrant=True)
+        n = 0
+        while True:
+            n += 1
+            interrupted = False
+            try:
+                async with lock:
+                    async with lock:
+                        handle = lock._current()
+                        sys.settrace(interrupting_at(n))
+                    sys.settrace(None)  # the nested exit only: the outer one is checked below
+                    assert lock.depth == 1 and lock_client.exists("a:exit-any") == 1
+                    sys.settrace(interrupting_at(n))
+            except _Interrupt:
+                interrupted = True
+            finally:
+                sys.settrace(None)
+            where = f"interrupted at line event {n}" if interrupted else "not interrupted"
+            assert handle is not None and handle.released, where
+            assert lock.depth == 0 and lock_client.exists("a:exit-any") == 0, where
+            with pytest.raises(LockNotOwned):
+                await lock.release()  # counted exactly once
+            if not interrupted:
+                return n
+
+    assert run(server, body) > 3
+
+
+def test_an_exception_on_any_line_of_a_nested_async_enter_counts_it_once(
+    server: RedisServer, lock_client: redis.Redis
+) -> None:
+    import sys
+
+    import celery_redislock.aiolock
+    import celery_redislock.owners
+
+    files = {celery_redislock.aiolock.__file__, celery_redislock.owners.__file__}
+
+    def interrupting_at(n: int) -> Any:
+        seen = [0]
+
+        def local(frame: Any, event: str, arg: Any) -> Any:
+            if event == "line" and frame.f_code.co_name != "__aexit__":  # enter only
+                seen[0] += 1
+                if seen[0] == n:
+                    raise _Interrupt(f"line {frame.f_lineno} of {frame.f_code.co_name}")
+            return local
+
+        task = asyncio.current_task()  # not in the loop's other tasks (the renewer)
+
+        def tracer(frame: Any, event: str, arg: Any) -> Any:
+            if frame.f_code.co_filename in files and asyncio.current_task() is task:
+                return local
+            return None
+
+        return tracer
+
+    async def body(client: redis.asyncio.Redis) -> int:
+        lock = AsyncRedisLock(client, "a:enter-any", ttl=5, reentrant=True)
+        n = 0
+        async with lock:
+            value = lock_client.get("a:enter-any")
+            while True:
+                n += 1
+                interrupted = False
+                try:
+                    sys.settrace(interrupting_at(n))
+                    async with lock:
+                        sys.settrace(None)
+                        assert lock.depth == 2
+                except _Interrupt:
+                    interrupted = True
+                finally:
+                    sys.settrace(None)
+                where = f"interrupted at line event {n}" if interrupted else "not interrupted"
+                assert lock.depth == 1, where
+                assert lock_client.get("a:enter-any") == value, where
+                if not interrupted:
+                    break
+        assert lock.depth == 0 and lock_client.exists("a:enter-any") == 0
+        return n
+
+    assert run(server, body) > 5
+
+
+def test_a_loop_closed_without_shutting_down_has_its_connections_closed_at_the_next_use(
+    server: RedisServer,
+) -> None:
+    import gc
+    import os
+    import weakref
+
+    client = redis.asyncio.Redis(port=server.port, db=LOCK_DB)
+    loops: list[weakref.ref[asyncio.AbstractEventLoop]] = []
+
+    async def main() -> None:
+        loops.append(weakref.ref(asyncio.get_running_loop()))
+        async with AsyncRedisLock(client, "a:closed-loops", ttl=5):
+            pass
+        await client.aclose()
+
+    def once() -> None:
+        loop = asyncio.new_event_loop()
+        try:
+            loop.run_until_complete(main())
+        finally:
+            loop.close()  # no shutdown_asyncgens(): the lock cannot tell
+
+    once()
+    gc.collect()
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(10):
+        once()
+    gc.collect()
+    # Only the last loop is still waiting for a next use to close its connections.
+    assert [ref for ref in loops[:-1] if ref() is not None] == []
+    assert len(os.listdir("/proc/self/fd")) - before <= 2

@@ -161,3 +161,49 @@ def test_a_take_back_under_gevent_never_blocks_the_hub(server: RedisServer) -> N
         timeout=60,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+REENTRANT_PRELOADED = textwrap.dedent(
+    """
+    import json, sys
+    import celery_redislock  # imported before patching (gunicorn --preload -k gevent)
+    from gevent import monkey
+    monkey.patch_all()
+
+    import gevent
+    import redis
+    from celery_redislock import RedisLock
+
+    client = redis.Redis.from_url(sys.argv[1])
+    inside, overlaps, depths = [], [], []
+
+    def body(n):
+        gevent.sleep(0.05 * n)  # each starts while the previous one holds it
+        with RedisLock(client, "gevent:reentrant", ttl=5, reentrant=True, timeout=10) as lock:
+            inside.append(n)
+            overlaps.append(len(inside) > 1)
+            depths.append(lock.depth)
+            gevent.sleep(0.2)
+            inside.remove(n)
+
+    gevent.joinall([gevent.spawn(body, n) for n in range(3)], raise_error=True)
+    print(json.dumps({"overlaps": overlaps, "depths": depths,
+                      "left": client.exists("gevent:reentrant")}))
+    """
+)
+
+
+def test_a_reentrant_lock_is_owned_per_greenlet_whatever_the_import_order(
+    server: RedisServer,
+) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", REENTRANT_PRELOADED, server.url_for(LOCK_DB)],
+        capture_output=True,
+        text=True,
+        cwd=str(ROOT),
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result == {"overlaps": [False] * 3, "depths": [1] * 3, "left": 0}

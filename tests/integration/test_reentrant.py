@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import os
+import sys
 import threading
 from typing import Any
 
@@ -235,3 +237,90 @@ def test_inside_asyncio_tasks_the_owner_is_the_task_not_the_loops_thread(
         return other_got, lock_client.exists("re:tasks") == 0
 
     assert asyncio.run(main()) == (False, True)
+
+
+def _interrupt_at_line(n: int) -> Any:
+    """A trace function raising KeyboardInterrupt at the ``n``-th line run in lock.py/owners.py.
+
+    Not on the lines of ``__exit__`` before its ``try`` (``step = None``, ``try:``):
+    no signal is delivered there (no eval-breaker check in a store or a NOP),
+    only on the call's first instruction, the window the README documents.
+    """
+    import celery_redislock.lock
+    import celery_redislock.owners
+
+    files = {celery_redislock.lock.__file__, celery_redislock.owners.__file__}
+    source, first = inspect.getsourcelines(RedisLock.__exit__)
+    try_line = first + next(i for i, line in enumerate(source) if line.strip() == "try:")
+    seen = [0]
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        if event == "line":
+            if frame.f_code.co_name == "__exit__" and frame.f_lineno <= try_line:
+                return local
+            seen[0] += 1
+            if seen[0] == n:
+                raise KeyboardInterrupt(f"line {frame.f_lineno} of {frame.f_code.co_name}")
+        return local
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        return local if frame.f_code.co_filename in files else None
+
+    return tracer
+
+
+def test_an_interrupt_on_any_line_of_the_last_exit_still_releases_once(
+    lock_client: redis.Redis,
+) -> None:
+    lock = RedisLock(lock_client, "re:exit-any", ttl=5, reentrant=True)
+    n = 0
+    while True:
+        n += 1
+        tracer = _interrupt_at_line(n)
+        interrupted = False
+        try:
+            with lock:
+                handle = lock._current()
+                sys.settrace(tracer)
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            sys.settrace(None)
+        assert handle is not None
+        where = f"interrupted at line event {n}" if interrupted else "not interrupted"
+        assert lock.depth == 0, where
+        assert lock_client.exists("re:exit-any") == 0, where
+        assert handle.released and not handle._renewing, where
+        with pytest.raises(LockNotOwned):
+            lock.release()  # counted exactly once
+        if not interrupted:
+            break
+    assert n > 3
+
+
+def test_an_interrupt_on_any_line_of_a_nested_enter_or_exit_counts_it_once(
+    lock_client: redis.Redis,
+) -> None:
+    lock = RedisLock(lock_client, "re:nested-any", ttl=5, reentrant=True)
+    n = 0
+    with lock:
+        value = lock_client.get("re:nested-any")
+        while True:
+            n += 1
+            tracer = _interrupt_at_line(n)
+            interrupted = False
+            try:
+                sys.settrace(tracer)
+                with lock:
+                    pass
+            except KeyboardInterrupt:
+                interrupted = True
+            finally:
+                sys.settrace(None)
+            where = f"interrupted at line event {n}" if interrupted else "not interrupted"
+            assert lock.depth == 1, where
+            assert lock_client.get("re:nested-any") == value, where
+            if not interrupted:
+                break
+    assert lock.depth == 0 and lock_client.exists("re:nested-any") == 0
+    assert n > 5

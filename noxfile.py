@@ -4,13 +4,14 @@
 (``nox -s matrix_ci``) the bounded subset CI runs. Each cell gets its own
 virtualenv under ``.nox/``, installs the package with its test extra and the
 cell's exact Celery and redis-py versions, and runs ``tests/worker`` and
-``tests/unit`` (real ``redis-server`` processes, embedded workers). Each cell
-appends one row (installed versions, test counts, seconds) to
-``.nox/matrix.md``.
+``tests/unit`` and the TLS test (real ``redis-server`` processes, embedded
+workers, a real Flower). Each cell appends one row (installed versions, test
+counts, seconds) to ``.nox/matrix.md``.
 
 The bounds, as ``pyproject.toml`` states them: ``celery[redis]>=5.3``,
 ``redis>=5.3``, Python >= 3.10. The lowest Celery is 5.3.0 exactly, the first
-5.3 release (every 5.3 patch installs); the lowest redis-py is 5.3.0. The
+5.3 release; the lowest redis-py is 5.3.0; pip picks the newest kombu and
+the rest that fit them, as it would for a user pinning these two. The
 newest are pinned, so that a new release cannot change a CI result
 unannounced: bump them here.
 
@@ -48,7 +49,7 @@ CELLS = [
     (NEWEST_CELERY, NEWEST_REDIS),
 ]
 CELL_IDS = [f"celery{celery}-redis{redis}" for celery, redis in CELLS]
-TESTS = ["tests/worker", "tests/unit"]
+TESTS = ["tests/worker", "tests/unit", "tests/integration/test_tls.py"]
 RESULTS = ROOT / ".nox" / "matrix.md"
 
 nox.options.sessions = ["matrix"]

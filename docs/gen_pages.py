@@ -143,7 +143,7 @@ def settings_page() -> str:
     lines = [
         "Generated from `celery_redislock.settings` (the one module that reads and",
         "validates settings). A task attribute left at `None` inherits the app",
-        "setting; under `config_from_object(..., namespace=\"CELERY\")` the",
+        'setting; under `config_from_object(..., namespace="CELERY")` the',
         "`CELERY_REDISLOCK_*` spelling works too.",
         "",
     ]
@@ -181,7 +181,9 @@ def bench_results() -> str:
     text = (ROOT / "bench" / "results" / "results.md").read_text()
     # Its own headings go one level down, below the page's "## " sections.
     text = re.sub(r"^(#{1,5}) ", r"#\1 ", text, flags=re.MULTILINE)
-    return text.replace("## Benchmark results", "## The committed run (`bench/results/results.md`)", 1)
+    return text.replace(
+        "## Benchmark results", "## The committed run (`bench/results/results.md`)", 1
+    )
 
 
 def build() -> None:
@@ -223,10 +225,8 @@ def build() -> None:
 
     for page, (title, items) in PAGES.items():
         text = "\n\n".join(bodies[page]).strip() + "\n"
-        if items[0] in sections and items[0]:
-            text = text[1:]  # the first section's "## " heading is the page's title
-        else:
-            text = f"# {title}\n\n" + text
+        # A page opening with a README section takes that section's heading as its title.
+        text = text[1:] if items[0] in sections and items[0] else f"# {title}\n\n" + text
         with mkdocs_gen_files.open(page, "w") as out:
             out.write(relink(page, text))
 

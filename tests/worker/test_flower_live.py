@@ -6,6 +6,8 @@ embedded one sending task events. What the README's Flower section promises
 is checked here:
 
 * the skipped task is SUCCESS, its result is the skip value with the holder;
+* ``raise`` is a FAILURE with ``LockContended``; ``retry`` shows its retry,
+  then (budget spent, ``then=Raise()``) the same FAILURE;
 * the ``task-redislock-contended`` event reaches Flower and is counted in its
   Prometheus endpoint (``flower_events_total{type="task-redislock-contended"}``).
 
@@ -32,7 +34,7 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_redislock import SingletonTask, is_skipped
+from celery_redislock import LockContended, Raise, Retry, SingletonTask, is_skipped
 from celery_redislock.task import CONTENTION_EVENT
 from tests.conftest import embedded_worker
 from tests.helpers import hold_lock
@@ -138,7 +140,7 @@ def wait_until_or_none(condition: Callable[[], Any], timeout: float) -> Any:
         return None
 
 
-def test_flower_shows_a_skipped_task_and_counts_the_contention_event(
+def test_flower_shows_skip_raise_retry_and_counts_the_contention_events(
     flower: Flower, app_factory: Callable[..., Celery], lock_client: redis.Redis
 ) -> None:
     app = app_factory(worker_send_task_events=True, task_send_sent_event=True)
@@ -147,25 +149,55 @@ def test_flower_shows_a_skipped_task_and_counts_the_contention_event(
     def job(n: int) -> int:
         return n
 
+    @app.task(
+        base=SingletonTask, shared=False, name="flower.live.strict", lock_on_contention="raise"
+    )
+    def strict(n: int) -> int:
+        return n
+
+    @app.task(
+        base=SingletonTask,
+        shared=False,
+        name="flower.live.patient",
+        lock_on_contention=Retry(countdown=0.1, max_retries=1, jitter=0, then=Raise()),
+    )
+    def patient(n: int) -> int:
+        return n
+
     hold_lock(lock_client, job, (1,), holder_task_id="the-holder")
+    hold_lock(lock_client, strict, (1,), holder_task_id="the-holder")
+    hold_lock(lock_client, patient, (1,), holder_task_id="the-holder")
     with embedded_worker(app, "solo"):
         skipped = job.delay(1)
         assert is_skipped(skipped.get(timeout=30))
         ran = job.delay(2)
         assert ran.get(timeout=30) == 2
+        raised = strict.delay(1)
+        with pytest.raises(LockContended):
+            raised.get(timeout=30)
+        retried = patient.delay(1)
+        with pytest.raises(LockContended):
+            retried.get(timeout=30)
 
-        def succeeded(task_id: str) -> dict[str, Any] | None:
+        def shown_as(task_id: str, state: str) -> dict[str, Any] | None:
             task = flower.task(task_id)
-            return task if task is not None and task["state"] == "SUCCESS" else None
+            return task if task is not None and task["state"] == state else None
 
-        shown = wait_until(lambda: succeeded(skipped.id), timeout=30, message="the skipped task")
-        plain = wait_until(lambda: succeeded(ran.id), timeout=30, message="the plain task")
+        shown = wait_until(lambda: shown_as(skipped.id, "SUCCESS"), timeout=30, message="skip")
+        plain = wait_until(lambda: shown_as(ran.id, "SUCCESS"), timeout=30, message="plain")
+        failed = wait_until(lambda: shown_as(raised.id, "FAILURE"), timeout=30, message="raise")
+        spent = wait_until(lambda: shown_as(retried.id, "FAILURE"), timeout=30, message="retry")
 
     # /api/task/info (and the task page): SUCCESS, the skip value with the holder.
     assert shown["name"] == "flower.live.job"
     assert "'__redislock__': 'skipped'" in shown["result"], shown
     assert "'holder': 'the-holder'" in shown["result"], shown
     assert plain["result"] == "2"
+
+    # raise: FAILURE with LockContended; retry: a RETRY, then (budget spent) FAILURE.
+    assert "LockContended" in failed["exception"], failed
+    assert "LockContended" in spent["exception"], spent
+    assert spent["retried"] is not None, spent  # Flower saw its task-retried event
 
     # /api/tasks, the task list: the same state and result column.
     status, body = flower.get("/api/tasks?taskname=flower.live.job")
@@ -175,16 +207,27 @@ def test_flower_shows_a_skipped_task_and_counts_the_contention_event(
     assert "'__redislock__': 'skipped'" in listed[skipped.id]["result"]
 
     # The contention event: counted per task and worker on Flower's /metrics,
-    # once (for the skipped run; the plain run was not contended).
-    def contention_count() -> float | None:
+    # once per contended run (the plain run was not contended; the retried
+    # task was contended twice: its first run and its one retry).
+    def contention_count(task_name: str) -> float | None:
         _status, metrics = flower.get("/metrics")
         for line in metrics.splitlines():
             if (
                 line.startswith("flower_events_total{")
                 and f'type="{CONTENTION_EVENT}"' in line
-                and 'task="flower.live.job"' in line
+                and f'task="{task_name}"' in line
             ):
                 return float(line.rsplit(" ", 1)[1])
         return None
 
-    assert wait_until(contention_count, timeout=30, message="the contention event") == 1.0
+    for task_name, expected in [
+        ("flower.live.job", 1.0),
+        ("flower.live.strict", 1.0),
+        ("flower.live.patient", 2.0),
+    ]:
+        counted = wait_until(
+            lambda name=task_name, want=expected: contention_count(name) == want and want,
+            timeout=30,
+            message=f"{expected} contention event(s) of {task_name}",
+        )
+        assert counted == expected

@@ -136,29 +136,40 @@ def headings(text: str) -> list[str]:
 
 
 def settings_page() -> str:
-    """The settings reference, built from ``celery_redislock.settings``."""
+    """The settings reference, built from ``celery_redislock.settings.SETTINGS``."""
     from celery_redislock import settings
 
-    specs: Any = getattr(settings, "SETTINGS", None)
     lines = [
-        "Generated from `celery_redislock.settings` (the one module that reads and",
-        "validates settings). A task attribute left at `None` inherits the app",
-        'setting; under `config_from_object(..., namespace="CELERY")` the',
-        "`CELERY_REDISLOCK_*` spelling works too.",
+        "Generated from `celery_redislock.settings.SETTINGS`, the one registry the",
+        "package reads, validates and documents its settings from. Settings are read",
+        "from `app.conf`; under `config_from_object(..., namespace=\"CELERY\")` the",
+        "`CELERY_REDISLOCK_*` spelling works too. A task attribute left at `None`",
+        "inherits the app setting.",
         "",
+        "| App setting | Task attribute | Default |",
+        "|---|---|---|",
     ]
-    if specs is not None:
-        for spec in specs:
-            fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
-            lines += [f"## `{fields['name']}`", ""]
-            attribute = fields.get("task_attribute")
-            lines.append(f"* **Task attribute:** `{attribute}`" if attribute else "* App only")
-            lines += [f"* **Default:** `{fields.get('default')!r}`", "", fields["doc"], ""]
-        return "\n".join(lines)
-    # Older settings modules: the names and defaults only.
-    lines += ["| App setting | Default |", "|---|---|"]
-    for name, default in settings.DEFAULTS.items():
-        lines.append(f"| `{name}` | `{default!r}` |")
+    specs: Any = getattr(settings, "SETTINGS", None)
+    if specs is None:
+        raise SystemExit("docs/gen_pages.py: celery_redislock.settings has no SETTINGS registry")
+    public = set(getattr(settings, "__all__", ()))
+    for spec in specs:
+        attribute = f"`{spec.task_attribute}`" if spec.task_attribute else "—"
+        default = getattr(spec, "shown_default", f"`{spec.default!r}`")
+        lines.append(f"| [`{spec.name}`](#{toc_slug(spec.name)}) | {attribute} | {default} |")
+    lines.append("")
+    for spec in specs:
+        default = getattr(spec, "shown_default", f"`{spec.default!r}`")
+        lines += [f"## {spec.name}", "", spec.doc, ""]
+        if spec.task_attribute:
+            lines.append(f"* Task attribute: `{spec.task_attribute}`")
+        lines.append(f"* Default: {default}")
+        validator = getattr(spec.validate, "__name__", "")
+        if validator in public:
+            # A cross-reference: renaming the validator breaks the strict build.
+            target = f"celery_redislock.settings.{validator}"
+            lines.append(f"* Checked by [`{validator}`][{target}]")
+        lines.append("")
     return "\n".join(lines)
 
 

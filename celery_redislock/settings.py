@@ -1,5 +1,11 @@
 """Settings, read in one place: task attribute, else app setting, else default.
 
+:data:`SETTINGS` is the one list of app settings (name, task attribute,
+default, doc, validator): the readers, :func:`validate_app_settings`, the
+task-option checks and the docs all come from it. Every setting is checked
+when an app's settings are first read (a worker does it at start, see
+startup.py; a producer at its first ``delay()``), all at once.
+
 App settings are read lazily with ``app.conf.get(...)`` the first time a lock
 is used, never registered with ``app.add_defaults`` (which would shadow a
 value loaded by ``config_from_object``). Under
@@ -14,8 +20,9 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from difflib import get_close_matches
 from typing import TYPE_CHECKING, Any
 
 from celery.utils.imports import symbol_by_name
@@ -23,16 +30,19 @@ from celery.utils.imports import symbol_by_name
 from celery_redislock.exceptions import ConfigurationError
 from celery_redislock.policies import ContentionPolicy, resolve_policy
 from celery_redislock.store import LockStore
-from celery_redislock.urls import mask_url
 
 if TYPE_CHECKING:
     from celery import Celery
 
 __all__ = [
     "DEFAULTS",
+    "SETTINGS",
+    "SETTINGS_BY_NAME",
     "AppSettings",
+    "SettingSpec",
     "TaskSettings",
     "app_settings",
+    "validate_app_settings",
     "validate_backend_error_mode",
     "validate_count",
     "validate_hold",
@@ -42,29 +52,6 @@ __all__ = [
 
 # The documented logger name (the module was config.py).
 logger = logging.getLogger("celery_redislock.config")
-
-#: Library defaults, by app setting name.
-DEFAULTS: Mapping[str, Any] = {
-    "redislock_url": None,
-    "redislock_key_prefix": "redislock",
-    "redislock_ttl": 30.0,
-    "redislock_on_contention": "skip",
-    "redislock_on_backend_error": "fail",
-    "redislock_redis_options": {},
-    "redislock_enabled": True,
-    "redislock_renew_timeout": 0.5,
-    "redislock_backend_error_max_retries": 10,
-    "redislock_enqueue": False,
-    "redislock_enqueue_ttl": 600.0,
-    "redislock_enqueue_raise": False,
-    "redislock_hold_after_success": 0.0,
-    "redislock_beat_on_contention": "skip",
-    "redislock_fence_ttl": 3600.0,
-    "redislock_store_class": None,
-    "redislock_on_lost": "report",
-    "redislock_min_replicas": 0,
-    "redislock_min_replicas_timeout": 1.0,
-}
 
 
 def validate_ttl(ttl: Any, where: str) -> float:
@@ -83,10 +70,21 @@ def validate_ttl(ttl: Any, where: str) -> float:
 BACKEND_ERROR_MODES = ("fail", "run")
 
 
+def did_you_mean(value: Any, choices: Sequence[str]) -> str:
+    """``"; did you mean 'x'?"`` when ``value`` is a string close to one of ``choices``."""
+    if not isinstance(value, str):
+        return ""
+    guesses = get_close_matches(value.lower(), list(choices), n=1, cutoff=0.6)
+    return f"; did you mean {guesses[0]!r}?" if guesses else ""
+
+
 def validate_backend_error_mode(value: Any, where: str) -> str:
     """Return ``value`` if it is ``"fail"`` or ``"run"``, else raise."""
     if value not in BACKEND_ERROR_MODES:
-        raise ConfigurationError(f"{where} must be 'fail' or 'run', got {value!r}")
+        raise ConfigurationError(
+            f"{where} must be 'fail' or 'run', got {value!r}"
+            + did_you_mean(value, BACKEND_ERROR_MODES)
+        )
     return str(value)
 
 
@@ -96,7 +94,9 @@ LOST_MODES = ("report", "abort")
 def validate_lost_mode(value: Any, where: str) -> str:
     """Return ``value`` if it is ``"report"`` or ``"abort"``, else raise."""
     if value not in LOST_MODES:
-        raise ConfigurationError(f"{where} must be 'report' or 'abort', got {value!r}")
+        raise ConfigurationError(
+            f"{where} must be 'report' or 'abort', got {value!r}" + did_you_mean(value, LOST_MODES)
+        )
     return str(value)
 
 
@@ -109,9 +109,360 @@ def validate_count(value: Any, where: str) -> int:
 
 def validate_hold(value: Any, where: str) -> float:
     """Return ``value`` as seconds >= 0 (0 turns the window off), else raise."""
-    if value == 0:
+    if value == 0:  # False too: "no window"
         return 0.0
     return validate_ttl(value, where)
+
+
+def validate_flag(value: Any, where: str) -> bool:
+    """Return ``value`` if it is a bool (or the int 0 or 1), else raise.
+
+    A string such as ``"false"`` (an environment variable read as it is)
+    would be true, so it is refused rather than guessed at.
+    """
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise ConfigurationError(f"{where} must be True or False, got {value!r}")
+
+
+def validate_key_prefix(value: Any, where: str) -> str:
+    """Return ``value`` if it is a non-empty str, else raise."""
+    if not isinstance(value, str) or not value:
+        raise ConfigurationError(f"{where} must be a non-empty str, got {value!r}")
+    return value
+
+
+def validate_redis_options(value: Any, where: str) -> dict[str, Any]:
+    """Return a copy of ``value`` if it is a mapping (of redis-py options), else raise."""
+    if not isinstance(value, Mapping):
+        raise ConfigurationError(f"{where} must be a dict, got {value!r}")
+    return dict(value)
+
+
+def validate_url(value: Any, where: str) -> str | None:
+    """Return ``value`` if it is a URL (or None: see :func:`app_settings`), else raise.
+
+    The message never shows a password.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, str) or "://" not in value:
+        shown = value
+        if isinstance(value, str) and "@" in value:
+            # No scheme, so no reading of it is safe: keep only what follows the "@".
+            shown = f"**@{value.rpartition('@')[2]}"
+        raise ConfigurationError(f"{where} must be a redis:// URL, got {shown!r}")
+    return value
+
+
+def validate_store_class(value: Any, where: str) -> type[LockStore]:
+    """A :class:`LockStore` subclass, or its ``"module:Class"`` path (None: LockStore)."""
+    if value is None:
+        return LockStore
+    found = value
+    if isinstance(value, str):
+        try:
+            found = symbol_by_name(value)
+        except (ImportError, AttributeError, ValueError) as exc:
+            raise ConfigurationError(f"{where} {value!r} cannot be imported: {exc}") from exc
+    if not (isinstance(found, type) and issubclass(found, LockStore)):
+        raise ConfigurationError(f"{where} must be a subclass of LockStore, got {value!r}")
+    return found
+
+
+def validate_policy(value: Any, where: str) -> ContentionPolicy:
+    """Return the policy ``value`` names (or is), else raise."""
+    return resolve_policy(value, where)
+
+
+@dataclass(frozen=True)
+class SettingSpec:
+    """One ``redislock_*`` app setting: the single source for readers, validation and docs.
+
+    Attributes:
+        name: The app setting, e.g. ``"redislock_ttl"`` (``CELERY_REDISLOCK_TTL``
+            under ``config_from_object(..., namespace="CELERY")``).
+        task_attribute: The task class attribute that overrides it
+            (``"lock_ttl"``), or None when it is app-wide only.
+        default: The library default, used when the setting is unset or None.
+        doc: One short markdown paragraph: what the setting means.
+        validate: ``validate(value, where)`` returns the value to use or
+            raises :class:`ConfigurationError` naming ``where``.
+        default_doc: How the default reads in the docs (markdown), when the
+            value alone would mislead.
+    """
+
+    name: str
+    task_attribute: str | None
+    default: object
+    doc: str
+    validate: Callable[[Any, str], Any]
+    default_doc: str | None = None
+
+    @property
+    def shown_default(self) -> str:
+        """The default as the docs show it (markdown)."""
+        if self.default_doc is not None:
+            return self.default_doc
+        return f"`{self.default!r}`" if isinstance(self.default, str) else f"`{self.default}`"
+
+
+#: Every app setting the package reads, in the order the docs list them.
+SETTINGS: tuple[SettingSpec, ...] = (
+    SettingSpec(
+        "redislock_url",
+        None,
+        None,
+        "Redis holding the locks: `redis://`, `rediss://` (TLS), `unix://`, "
+        "`sentinel://host:port[,host:port]/service[/db]` or `redis+cluster://host:port`.",
+        validate_url,
+        default_doc="broker URL if it is Redis (with a warning), else required",
+    ),
+    SettingSpec(
+        "redislock_key_prefix",
+        None,
+        "redislock",
+        "First part of every key.",
+        validate_key_prefix,
+    ),
+    SettingSpec(
+        "redislock_ttl",
+        "lock_ttl",
+        30.0,
+        "Lock time to live, seconds. Renewed every TTL/3 while the holder lives, so keep it "
+        "short: it bounds how long a lock survives a dead worker.",
+        validate_ttl,
+        default_doc="`30`",
+    ),
+    SettingSpec(
+        "redislock_on_contention",
+        "lock_on_contention",
+        "skip",
+        '`"skip"`, `"retry"`, `"raise"`, `"wait"` or a policy object.',
+        validate_policy,
+    ),
+    SettingSpec(
+        "redislock_on_backend_error",
+        "lock_on_backend_error",
+        "fail",
+        'Redis unreachable at acquire: `"fail"` = do not run unprotected, retry the task '
+        'with backoff; `"run"` = run without the lock, logged at WARNING.',
+        validate_backend_error_mode,
+    ),
+    SettingSpec(
+        "redislock_backend_error_max_retries",
+        None,
+        10,
+        'Backoff retries (1, 2, 4 … 60 s, jittered) before `"fail"` gives up with '
+        "`LockBackendError` (state FAILURE).",
+        validate_count,
+    ),
+    SettingSpec(
+        "redislock_redis_options",
+        None,
+        {},
+        "Extra `redis.Redis.from_url` options. Package defaults: 5 s socket and connect "
+        "timeouts, 2 quick client retries.",
+        validate_redis_options,
+    ),
+    SettingSpec(
+        "redislock_renew_timeout",
+        None,
+        0.5,
+        "Socket timeout of the renewer's own connection (it never retries inside redis-py).",
+        validate_ttl,
+    ),
+    SettingSpec(
+        "redislock_enabled",
+        "lock_enabled",
+        True,
+        "`False` turns locking off.",
+        validate_flag,
+    ),
+    SettingSpec(
+        "redislock_on_lost",
+        "lock_on_lost",
+        "report",
+        '`"abort"` also raises `LockLost` in the running body when the lock is lost.',
+        validate_lost_mode,
+    ),
+    SettingSpec(
+        "redislock_fence_ttl",
+        None,
+        3600.0,
+        "Seconds a key's fence counter outlives its last acquisition.",
+        validate_ttl,
+        default_doc="`3600`",
+    ),
+    SettingSpec(
+        "redislock_store_class",
+        None,
+        None,
+        'A `celery_redislock.store.LockStore` subclass (or its `"module:Class"` path) whose '
+        "`do_acquire`/`do_release`/`do_extend`/`do_renew` you override, e.g. to instrument "
+        "the scripts.",
+        validate_store_class,
+        default_doc="`LockStore`",
+    ),
+    SettingSpec(
+        "redislock_enqueue",
+        "lock_enqueue",
+        False,
+        "Also lock at `apply_async`/`delay`, before publishing.",
+        validate_flag,
+    ),
+    SettingSpec(
+        "redislock_enqueue_ttl",
+        "lock_enqueue_ttl",
+        600.0,
+        "Seconds a queued, not yet started task holds its key; a countdown/ETA is added.",
+        validate_ttl,
+        default_doc="`600`",
+    ),
+    SettingSpec(
+        "redislock_enqueue_raise",
+        "lock_enqueue_raise",
+        False,
+        "A duplicate `delay()` raises `AlreadyQueued` instead of returning the holder's "
+        "`AsyncResult`.",
+        validate_flag,
+    ),
+    SettingSpec(
+        "redislock_hold_after_success",
+        "lock_hold_after_success",
+        0.0,
+        "Keep the key this many seconds after a successful run: an idempotency window for "
+        "late duplicates.",
+        validate_hold,
+        default_doc="`0` (off)",
+    ),
+    SettingSpec(
+        "redislock_beat_on_contention",
+        "lock_beat_on_contention",
+        "skip",
+        "Policy for runs sent by celery beat (header `celery_beat_task`).",
+        validate_policy,
+    ),
+    SettingSpec(
+        "redislock_min_replicas",
+        "lock_min_replicas",
+        0,
+        "After taking the lock, `WAIT` on the same connection until this many replicas have "
+        "it; if fewer acknowledge in time, release it and treat it as a lock-store error "
+        "(`on_backend_error`). Not with Redis Cluster.",
+        validate_count,
+        default_doc="`0` (off)",
+    ),
+    SettingSpec(
+        "redislock_min_replicas_timeout",
+        "lock_min_replicas_timeout",
+        1.0,
+        "Longest `WAIT` for those replicas, seconds.",
+        validate_ttl,
+    ),
+)
+
+#: The registry by app setting name.
+SETTINGS_BY_NAME: Mapping[str, SettingSpec] = {spec.name: spec for spec in SETTINGS}
+
+#: Library defaults, by app setting name (from :data:`SETTINGS`).
+DEFAULTS: Mapping[str, Any] = {spec.name: spec.default for spec in SETTINGS}
+
+_SETTING_PREFIX = "redislock_"
+
+
+def _spellings(name: str, prefix: str | None) -> tuple[str, ...]:
+    """The spellings Celery reads for ``name`` (see ``ConfigurationView._to_keys``)."""
+    if not prefix:
+        return (name,)
+    namespaced = prefix + name
+    return (namespaced.upper() if prefix.isupper() else namespaced, name)
+
+
+def _closest_setting(bare: str) -> str | None:
+    """The known setting closest to ``bare`` (a lowercase ``redislock_*`` name), if any."""
+    # Compared without the common "redislock_", which would make every name look close.
+    suffixes = {spec.name[len(_SETTING_PREFIX) :]: spec.name for spec in SETTINGS}
+    guesses = get_close_matches(bare[len(_SETTING_PREFIX) :], list(suffixes), n=1, cutoff=0.6)
+    return suffixes[guesses[0]] if guesses else None
+
+
+def _unknown_setting_errors(conf: Any) -> list[str]:
+    """Messages for ``redislock_*`` keys in ``conf`` that nothing reads, with a did-you-mean."""
+    prefix = getattr(conf, "prefix", None) or None
+    readable = {spelling for spec in SETTINGS for spelling in _spellings(spec.name, prefix)}
+    errors = []
+    for key in sorted({key for key in conf if isinstance(key, str)}):
+        lowered, unread_namespace = key.lower(), False
+        if prefix and lowered.startswith(prefix.lower()):
+            bare = lowered[len(prefix) :]
+        elif not prefix and lowered.startswith(f"celery_{_SETTING_PREFIX}"):
+            # CELERY_REDISLOCK_TTL in a settings module loaded without the namespace.
+            bare, unread_namespace = lowered[len("celery_") :], True
+        else:
+            bare = lowered
+        if not bare.startswith(_SETTING_PREFIX) or key in readable:
+            continue
+        if unread_namespace:
+            problem = "is not read: the app's config was loaded without namespace='CELERY'"
+        else:
+            problem = "is not a celery-redislock setting"
+        guess = _closest_setting(bare)
+        if guess is None:
+            errors.append(f"{key} {problem} (none has a similar name)")
+            continue
+        # Suggest the spelling in the style the user wrote (namespaced or not).
+        namespaced = prefix is not None and (key.isupper() or lowered.startswith(prefix.lower()))
+        suggestion = _spellings(guess, prefix)[0] if namespaced else guess
+        errors.append(f"{key} {problem}; did you mean {suggestion}?")
+    return errors
+
+
+def _resolve(conf: Any) -> tuple[dict[str, Any], list[str]]:
+    """Validate every setting in ``conf``: the usable values and the messages for the rest."""
+    values: dict[str, Any] = {}
+    errors = _unknown_setting_errors(conf)
+    prefix = getattr(conf, "prefix", None) or None
+    present = {key for key in conf if isinstance(key, str)}
+    for spec in SETTINGS:
+        raw = conf.get(spec.name)
+        # Name the setting as it was spelled (CELERY_REDISLOCK_TTL under a namespace).
+        where = next((key for key in _spellings(spec.name, prefix) if key in present), spec.name)
+        try:
+            values[spec.name] = spec.validate(spec.default if raw is None else raw, where)
+        except ConfigurationError as exc:
+            errors.append(str(exc))
+    if "redislock_url" in values and values["redislock_url"] is None:
+        broker = conf.get("broker_url")
+        if not (isinstance(broker, str) and broker.startswith(("redis://", "rediss://"))):
+            errors.append(
+                "redislock_url is not set (app.conf.redislock_url = 'redis://host:6379/1', "
+                "or CELERY_REDISLOCK_URL with the CELERY namespace) and the broker is not Redis"
+            )
+    return values, errors
+
+
+def _raise_for(errors: list[str]) -> None:
+    if len(errors) == 1:
+        raise ConfigurationError(errors[0])
+    if errors:
+        listed = "".join(f"\n  - {error}" for error in errors)
+        raise ConfigurationError(f"{len(errors)} celery-redislock settings are wrong:{listed}")
+
+
+def validate_app_settings(conf: Any) -> None:
+    """Check every ``redislock_*`` setting of ``conf`` (an ``app.conf``).
+
+    Unknown ``redislock_*`` names (``CELERY_REDISLOCK_*`` under a
+    namespace) are reported with the closest known name.
+
+    Raises:
+        ConfigurationError: naming every bad setting at once, with the reason.
+    """
+    conf.get("broker_url")  # loads a pending configuration (and its namespace)
+    _raise_for(_resolve(conf)[1])
 
 
 @dataclass(frozen=True)
@@ -150,95 +501,42 @@ def _new_cache_guard() -> None:
 os.register_at_fork(after_in_child=_new_cache_guard)
 
 
-def _get(app: Celery, name: str) -> Any:
-    value = app.conf.get(name)
-    return DEFAULTS[name] if value is None else value
-
-
-def _resolve_url(app: Celery) -> str:
-    url = _get(app, "redislock_url")
-    if url is None:
-        broker = app.conf.get("broker_url")
-        if isinstance(broker, str) and broker.startswith(("redis://", "rediss://")):
-            logger.warning(
-                "redislock_url is not set; using the broker URL for locks. "
-                "Set redislock_url explicitly to silence this warning."
-            )
-            return broker
-        raise ConfigurationError(
-            "redislock_url is not set (app.conf.redislock_url = 'redis://host:6379/1', "
-            "or CELERY_REDISLOCK_URL with the CELERY namespace) and the broker is not Redis"
-        )
-    if not isinstance(url, str) or "://" not in url:
-        shown = mask_url(url) if isinstance(url, str) else url
-        raise ConfigurationError(f"redislock_url must be a redis:// URL, got {shown!r}")
-    return url
-
-
-def _store_class(value: Any) -> type[LockStore]:
-    """``redislock_store_class``: a :class:`LockStore` subclass, or its ``"module:Class"`` path."""
-    if value is None:
-        return LockStore
-    found = value
-    if isinstance(value, str):
-        try:
-            found = symbol_by_name(value)
-        except (ImportError, AttributeError, ValueError) as exc:
-            raise ConfigurationError(
-                f"redislock_store_class {value!r} cannot be imported: {exc}"
-            ) from exc
-    if not (isinstance(found, type) and issubclass(found, LockStore)):
-        raise ConfigurationError(
-            f"redislock_store_class must be a subclass of LockStore, got {value!r}"
-        )
-    return found
-
-
 def _read(app: Celery) -> AppSettings:
-    url = _resolve_url(app)
-    prefix = _get(app, "redislock_key_prefix")
-    if not isinstance(prefix, str) or not prefix:
-        raise ConfigurationError(f"redislock_key_prefix must be a non-empty str, got {prefix!r}")
-    options = _get(app, "redislock_redis_options")
-    if not isinstance(options, Mapping):
-        raise ConfigurationError(f"redislock_redis_options must be a dict, got {options!r}")
-    max_retries = validate_count(
-        _get(app, "redislock_backend_error_max_retries"), "redislock_backend_error_max_retries"
-    )
-    renew_timeout = validate_ttl(_get(app, "redislock_renew_timeout"), "redislock_renew_timeout")
+    app.conf.get("broker_url")  # loads a pending configuration (and its namespace)
+    values, errors = _resolve(app.conf)
+    _raise_for(errors)
+    url = values["redislock_url"]
+    if url is None:
+        url = app.conf.get("broker_url")
+        logger.warning(
+            "redislock_url is not set; using the broker URL for locks. "
+            "Set redislock_url explicitly to silence this warning."
+        )
+    options = values["redislock_redis_options"]
+    renew_timeout = values["redislock_renew_timeout"]
     return AppSettings(
         url=url,
-        key_prefix=prefix,
-        ttl=validate_ttl(_get(app, "redislock_ttl"), "redislock_ttl"),
-        on_contention=resolve_policy(
-            _get(app, "redislock_on_contention"), "redislock_on_contention"
-        ),
-        on_backend_error=validate_backend_error_mode(
-            _get(app, "redislock_on_backend_error"), "redislock_on_backend_error"
-        ),
+        key_prefix=values["redislock_key_prefix"],
+        ttl=values["redislock_ttl"],
+        on_contention=values["redislock_on_contention"],
+        on_backend_error=values["redislock_on_backend_error"],
         redis_options=dict(options),
-        enabled=bool(_get(app, "redislock_enabled")),
+        enabled=values["redislock_enabled"],
         renew_timeout=renew_timeout,
-        backend_error_max_retries=max_retries,
-        enqueue=bool(_get(app, "redislock_enqueue")),
-        enqueue_ttl=validate_ttl(_get(app, "redislock_enqueue_ttl"), "redislock_enqueue_ttl"),
-        enqueue_raise=bool(_get(app, "redislock_enqueue_raise")),
-        hold_after_success=validate_hold(
-            _get(app, "redislock_hold_after_success"), "redislock_hold_after_success"
-        ),
-        beat_on_contention=resolve_policy(
-            _get(app, "redislock_beat_on_contention"), "redislock_beat_on_contention"
-        ),
-        on_lost=validate_lost_mode(_get(app, "redislock_on_lost"), "redislock_on_lost"),
-        min_replicas=validate_count(_get(app, "redislock_min_replicas"), "redislock_min_replicas"),
-        min_replicas_timeout=validate_ttl(
-            _get(app, "redislock_min_replicas_timeout"), "redislock_min_replicas_timeout"
-        ),
-        backend=_store_class(_get(app, "redislock_store_class"))(
+        backend_error_max_retries=values["redislock_backend_error_max_retries"],
+        enqueue=values["redislock_enqueue"],
+        enqueue_ttl=values["redislock_enqueue_ttl"],
+        enqueue_raise=values["redislock_enqueue_raise"],
+        hold_after_success=values["redislock_hold_after_success"],
+        beat_on_contention=values["redislock_beat_on_contention"],
+        on_lost=values["redislock_on_lost"],
+        min_replicas=values["redislock_min_replicas"],
+        min_replicas_timeout=values["redislock_min_replicas_timeout"],
+        backend=values["redislock_store_class"](
             url,
             dict(options),
             renew_timeout=renew_timeout,
-            fence_ttl=validate_ttl(_get(app, "redislock_fence_ttl"), "redislock_fence_ttl"),
+            fence_ttl=values["redislock_fence_ttl"],
         ),
     )
 
@@ -322,21 +620,12 @@ def validate_task_options(cls: type, where: str) -> None:
         ConfigurationError: an option has a bad value, or ``lock_args`` and
             ``lock_key`` are both set.
     """
-    validators: dict[str, Callable[[Any, str], Any]] = {
-        "lock_ttl": validate_ttl,
-        "lock_enqueue_ttl": validate_ttl,
-        "lock_on_contention": resolve_policy,
-        "lock_beat_on_contention": resolve_policy,
-        "lock_on_lost": validate_lost_mode,
-        "lock_hold_after_success": validate_hold,
-        "lock_on_backend_error": validate_backend_error_mode,
-        "lock_min_replicas": validate_count,
-        "lock_min_replicas_timeout": validate_ttl,
-    }
-    for attribute, validate in validators.items():
-        value = getattr(cls, attribute)
+    for spec in SETTINGS:
+        if spec.task_attribute is None:
+            continue
+        value = getattr(cls, spec.task_attribute, None)
         if value is not None:
-            validate(value, f"{where}: {attribute}")
+            spec.validate(value, f"{where}: {spec.task_attribute}")
     key_function = getattr(cls, "lock_key", None)
     if key_function is not None and not callable(key_function):
         raise ConfigurationError(f"{where}: lock_key must be callable, got {key_function!r}")

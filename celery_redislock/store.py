@@ -30,7 +30,13 @@ from typing import Any, TypeVar
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
-from redis.exceptions import ConnectionError, RedisError, ResponseError, TimeoutError
+from redis.exceptions import (
+    ConnectionError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+    TimeoutError,
+)
 from redis.retry import Retry
 
 from celery_redislock import scripts
@@ -304,6 +310,46 @@ class LockStore:
         topology = self._topology(_Kind.RENEWALS)
         if type(topology) is Topology:
             topology.endpoint.run(lambda connection: connection.connect())
+
+    def load_scripts(self) -> int:
+        """Check that the store answers: ``SCRIPT LOAD`` the lock scripts on every primary.
+
+        A check for worker start, on connections of its own (closed after):
+        the renewal timeout (``redislock_renew_timeout``) bounds the connect
+        and each reply, with no retry, so an unreachable store costs at most
+        about twice that per primary (a Sentinel lookup adds the sentinels'
+        own timeouts; a cluster's first slot-map lookup, redis-py's).
+
+        Returns:
+            How many primaries loaded the scripts.
+
+        Raises:
+            LockBackendError: the store is unreachable or refused the scripts.
+        """
+        sources = [scripts.ACQUIRE, scripts.RELEASE, scripts.RENEW]
+        topology: Topology | None = None
+        try:
+            topology = self._make_topology(_Kind.RENEWALS)
+            primaries = topology.primaries()
+            for endpoint in primaries:
+                replies = endpoint.pipeline([("SCRIPT", "LOAD", s.source) for s in sources])
+                for script, reply in zip(sources, replies, strict=True):
+                    if isinstance(reply, ResponseError):
+                        raise reply
+                    if _text(reply, endpoint.encoding) != script.sha:
+                        raise ResponseError(f"SCRIPT LOAD answered {reply!r}, not {script.sha}")
+            return len(primaries)
+        except ResponseError as exc:
+            raise LockBackendError(
+                f"Redis at {self.describe()} refused to load the lock scripts: {exc}"
+            ) from exc
+        except (RedisError, RedisClusterException) as exc:
+            raise LockBackendError(
+                f"Redis at {self.describe()} is unavailable ({type(exc).__name__}: {exc})"
+            ) from exc
+        finally:
+            if topology is not None:
+                topology.close()
 
     @contextmanager
     def _errors(self, operation: str, key: str) -> Iterator[None]:

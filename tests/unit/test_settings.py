@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
 from celery import Celery
 
 from celery_redislock import ConfigurationError, Retry, SingletonTask, Wait
-from celery_redislock.settings import app_settings, forget_app_settings
+from celery_redislock.settings import (
+    DEFAULTS,
+    SETTINGS,
+    AppSettings,
+    app_settings,
+    forget_app_settings,
+    validate_app_settings,
+)
 
 
 def new_app(**conf: Any) -> Celery:
@@ -119,3 +127,185 @@ def test_settings_are_read_lazily_and_can_be_forgotten() -> None:
     app.conf.redislock_url = "redis://later:1/0"
     forget_app_settings(app)
     assert app_settings(app).url == "redis://later:1/0"
+
+
+# -- the registry and validate_app_settings (issue 14) ----------------------------
+
+
+def test_registry_is_the_one_list_of_settings() -> None:
+    names = [spec.name for spec in SETTINGS]
+    assert len(names) == len(set(names))
+    assert all(name.startswith("redislock_") for name in names)
+    assert dict(DEFAULTS) == {spec.name: spec.default for spec in SETTINGS}
+    assert all(spec.doc and spec.shown_default for spec in SETTINGS)
+    # Every AppSettings field (but the store it builds) is one registry entry.
+    fields = {field.name for field in dataclasses.fields(AppSettings)} - {"backend", "url"}
+    assert {f"redislock_{field}" for field in fields} <= set(names)
+    # Every task attribute the merge reads is declared on the task class.
+    attributes = [spec.task_attribute for spec in SETTINGS if spec.task_attribute]
+    assert all(hasattr(SingletonTask, attribute) for attribute in attributes)
+    assert "lock_ttl" in attributes
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "message"),
+    [
+        ("redislock_on_contention", "skipp", "did you mean 'skip'?"),
+        ("redislock_on_lost", "abrot", "did you mean 'abort'?"),
+        ("redislock_on_backend_error", "fial", "did you mean 'fail'?"),
+        ("redislock_enabled", "no", "must be True or False"),
+        ("redislock_enqueue", "yes", "must be True or False"),
+        ("redislock_enqueue_raise", 2, "must be True or False"),
+        ("redislock_enqueue_ttl", -1, "positive"),
+        ("redislock_fence_ttl", "1h", "number of seconds"),
+        ("redislock_renew_timeout", 0, "positive"),
+        ("redislock_hold_after_success", True, "number of seconds"),
+        ("redislock_beat_on_contention", "never", "must be one of"),
+        ("redislock_min_replicas", 1.5, "int >= 0"),
+        ("redislock_min_replicas_timeout", 0, "positive"),
+    ],
+)
+def test_each_bad_value_is_named_with_its_reason(setting: str, value: Any, message: str) -> None:
+    app = new_app(redislock_url="redis://h:1/0", **{setting: value})
+    with pytest.raises(ConfigurationError) as info:
+        validate_app_settings(app.conf)
+    assert str(info.value).startswith(f"{setting} must be")
+    assert message in str(info.value)
+    with pytest.raises(ConfigurationError, match=setting):
+        app_settings(app)  # the same check at first use (a producer's delay())
+
+
+def test_misspelled_setting_name_gets_a_did_you_mean() -> None:
+    app = new_app(redislock_url="redis://h:1/0", redislock_tll=5)
+    with pytest.raises(ConfigurationError) as info:
+        app_settings(app)
+    assert str(info.value) == (
+        "redislock_tll is not a celery-redislock setting; did you mean redislock_ttl?"
+    )
+
+
+def test_a_name_like_no_setting_is_reported_without_a_guess() -> None:
+    app = new_app(redislock_url="redis://h:1/0", redislock_zzzzqq=1)
+    with pytest.raises(ConfigurationError, match="redislock_zzzzqq is not a celery-redislock"):
+        validate_app_settings(app.conf)
+
+
+def test_uppercase_name_without_a_namespace_is_not_read_and_is_reported() -> None:
+    app = new_app(redislock_url="redis://h:1/0", REDISLOCK_TTL=5)
+    with pytest.raises(ConfigurationError, match=r"REDISLOCK_TTL .* did you mean redislock_ttl\?"):
+        validate_app_settings(app.conf)
+
+
+def test_namespaced_settings_are_named_as_spelled() -> None:
+    class DjangoSettings:
+        CELERY_REDISLOCK_URL = "redis://:s3cret@ns:1/3"
+        CELERY_REDISLOCK_TLL = 12
+        CELERY_REDISLOCK_ON_CONTENTION = "skipp"
+
+    app = Celery("config-test", set_as_current=False, set_as_default=False)
+    app.config_from_object(DjangoSettings, namespace="CELERY")
+    with pytest.raises(ConfigurationError) as info:
+        validate_app_settings(app.conf)
+    message = str(info.value)
+    assert "CELERY_REDISLOCK_TLL is not a celery-redislock setting" in message
+    assert "did you mean CELERY_REDISLOCK_TTL?" in message
+    assert "CELERY_REDISLOCK_ON_CONTENTION must be one of" in message
+    assert "s3cret" not in message
+
+
+def test_several_bad_settings_are_reported_together() -> None:
+    app = new_app(
+        redislock_url="redis://:s3cret@h:1/0",
+        redislock_tll=5,
+        redislock_on_contention="skipp",
+        redislock_enqueue_ttl=0,
+        redislock_min_replicas=-1,
+    )
+    with pytest.raises(ConfigurationError) as info:
+        app_settings(app)
+    lines = str(info.value).splitlines()
+    assert lines[0] == "4 celery-redislock settings are wrong:"
+    assert [line.split()[1] for line in lines[1:]] == [
+        "redislock_tll",
+        "redislock_on_contention",
+        "redislock_enqueue_ttl",
+        "redislock_min_replicas",
+    ]
+    assert "s3cret" not in str(info.value)
+
+
+def test_a_bad_url_never_shows_its_password() -> None:
+    app = new_app(redislock_url="h:1:s3cret@x", redislock_ttl=0)
+    with pytest.raises(ConfigurationError, match="2 celery-redislock settings") as info:
+        validate_app_settings(app.conf)
+    assert "s3cret" not in str(info.value)
+
+
+def test_settings_no_task_inherits_are_still_validated() -> None:
+    # No task at all: a bad redislock_enqueue_ttl is still found, not when a
+    # lock_enqueue task first inherits it.
+    app = new_app(redislock_url="redis://h:1/0", redislock_enqueue_ttl="10m")
+    with pytest.raises(ConfigurationError, match="redislock_enqueue_ttl must be a number"):
+        validate_app_settings(app.conf)
+
+
+def test_valid_settings_pass() -> None:
+    app = new_app(
+        redislock_url="redis://h:1/0",
+        redislock_ttl=5,
+        redislock_enabled=0,
+        redislock_on_contention=Retry(max_retries=1),
+        redislock_store_class="celery_redislock.store:LockStore",
+    )
+    validate_app_settings(app.conf)
+    assert app_settings(app).enabled is False
+
+
+@pytest.mark.parametrize("option", ["lock_enabled", "lock_enqueue", "lock_enqueue_raise"])
+def test_bad_flag_task_options_fail_at_registration(option: str) -> None:
+    app = new_app(redislock_url="redis://h:1/0")
+    with pytest.raises(ConfigurationError, match=f"{option} must be True or False"):
+
+        @app.task(base=SingletonTask, shared=False, **{option: "false"})
+        def task(x: int) -> None: ...
+
+        task.name  # noqa: B018
+
+
+def test_namespaced_spelling_without_the_namespace_is_reported() -> None:
+    class DjangoSettings:
+        CELERY_REDISLOCK_TTL = 12
+
+    app = Celery("config-test", set_as_current=False, set_as_default=False)
+    app.config_from_object(DjangoSettings)
+    app.conf.redislock_url = "redis://h:1/0"
+    with pytest.raises(ConfigurationError) as info:
+        validate_app_settings(app.conf)
+    assert str(info.value) == (
+        "CELERY_REDISLOCK_TTL is not read: the app's config was loaded without "
+        "namespace='CELERY'; did you mean redislock_ttl?"
+    )
+
+
+def test_unprefixed_uppercase_name_under_a_namespace_gets_the_namespaced_spelling() -> None:
+    class DjangoSettings:
+        CELERY_REDISLOCK_URL = "redis://h:1/0"
+        REDISLOCK_TTL = 12
+
+    app = Celery("config-test", set_as_current=False, set_as_default=False)
+    app.config_from_object(DjangoSettings, namespace="CELERY")
+    with pytest.raises(ConfigurationError, match=r"REDISLOCK_TTL is not .*CELERY_REDISLOCK_TTL\?"):
+        validate_app_settings(app.conf)
+
+
+def test_both_spellings_celery_reads_under_a_namespace_are_accepted() -> None:
+    class DjangoSettings:
+        CELERY_REDISLOCK_URL = "redis://h:1/0"
+        CELERY_REDISLOCK_TTL = 12
+
+    app = Celery("config-test", set_as_current=False, set_as_default=False)
+    app.config_from_object(DjangoSettings, namespace="CELERY")
+    app.conf.redislock_on_contention = "raise"
+    validate_app_settings(app.conf)
+    settings = app_settings(app)
+    assert (settings.ttl, settings.on_contention.name) == (12.0, "raise")

@@ -1,0 +1,32 @@
+"""The app of the worker start tests: its settings come from the environment.
+
+REDISLOCK_TEST_URL is the base redis:// URL of the test's server (broker and
+results); REDISLOCK_TEST_LOCK_URL the lock store; REDISLOCK_TEST_CONF a JSON
+object of extra settings (the bad ones under test).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from celery import Celery
+
+from celery_redislock import SingletonTask
+
+BASE_URL = os.environ.get("REDISLOCK_TEST_URL", "redis://127.0.0.1:1")
+
+app = Celery("redislock_startup")
+app.conf.update(
+    broker_url=f"{BASE_URL}/0",
+    result_backend=f"{BASE_URL}/1",
+    redislock_url=os.environ.get("REDISLOCK_TEST_LOCK_URL", f"{BASE_URL}/2"),
+    task_default_queue="tests",
+    broker_connection_retry_on_startup=True,
+)
+app.conf.update(json.loads(os.environ.get("REDISLOCK_TEST_CONF", "{}")))
+
+
+@app.task(base=SingletonTask)
+def job() -> str:
+    return "ran"

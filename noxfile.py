@@ -133,8 +133,8 @@ def lowest(session: nox.Session) -> None:
 # What CI runs besides `make test` (which covers the newest versions on the
 # default interpreter): the lowest bounds on the default interpreter, and the
 # newest versions on the oldest and newest Python found, with the unit tests
-# and the contention and exit-path worker tests, to stay within minutes.
-CI_TESTS = ["tests/unit", "tests/worker/test_contention.py", "tests/worker/test_exit_paths.py"]
+# and the contention worker tests, to stay within minutes.
+CI_TESTS = ["tests/unit", "tests/worker/test_contention.py"]
 
 
 @nox.session(python=[PYTHONS[0], PYTHONS[-1]])

@@ -87,6 +87,23 @@ REFERENCE: dict[str, tuple[str, list[str]]] = {
         "Contrib",
         ["celery_redislock.contrib.prometheus", "celery_redislock.contrib.django"],
     ),
+    "reference/internals.md": (
+        "Internals",
+        [
+            "celery_redislock.enqueue",
+            "celery_redislock.execution",
+            "celery_redislock.headers",
+            "celery_redislock.keys",
+            "celery_redislock.tokens",
+            "celery_redislock.scripts",
+            "celery_redislock.transport",
+            "celery_redislock.clients",
+            "celery_redislock.urls",
+            "celery_redislock.renewer",
+            "celery_redislock.abort",
+            "celery_redislock.takeback",
+        ],
+    ),
 }
 
 

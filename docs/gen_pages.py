@@ -15,7 +15,6 @@ cannot silently go missing from the site.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import unicodedata
 from pathlib import Path
@@ -159,7 +158,7 @@ def settings_page() -> str:
     lines = [
         "Generated from `celery_redislock.settings.SETTINGS`, the one registry the",
         "package reads, validates and documents its settings from. Settings are read",
-        "from `app.conf`; under `config_from_object(..., namespace=\"CELERY\")` the",
+        'from `app.conf`; under `config_from_object(..., namespace="CELERY")` the',
         "`CELERY_REDISLOCK_*` spelling works too. A task attribute left at `None`",
         "inherits the app setting.",
         "",

@@ -35,8 +35,8 @@ redis-tools:
 
 ## ruff (lint and format) and mypy --strict on the package.
 lint: $(BIN)/.installed-dev
-	$(BIN)/ruff check celery_redislock tests examples bench
-	$(BIN)/ruff format --check celery_redislock tests examples bench
+	$(BIN)/ruff check celery_redislock tests examples bench docs noxfile.py
+	$(BIN)/ruff format --check celery_redislock tests examples bench docs noxfile.py
 	$(BIN)/mypy
 
 ## Start Redis (unless REDIS_URL is set), 2 workers, fire duplicates, print a summary.

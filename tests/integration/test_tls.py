@@ -214,14 +214,15 @@ def test_the_server_refuses_plain_connections(tls_server: TlsServer) -> None:
 def test_lock_acquire_contend_renew_release_over_tls(
     tls_server: TlsServer, tls_client: redis.Redis
 ) -> None:
-    first = RedisLock(tls_client, "tls:job", ttl=0.6, blocking=False)
-    second = RedisLock(tls_server.client(), "tls:job", ttl=0.6, blocking=False)
+    # TTL 1.5 s: renewed every 0.5 s, with room for a slow tick on a busy machine.
+    first = RedisLock(tls_client, "tls:job", ttl=1.5, blocking=False)
+    second = RedisLock(tls_server.client(), "tls:job", ttl=1.5, blocking=False)
     assert first.acquire()
     assert first.fence is not None and first.fence > 0
     assert not second.acquire()  # contended, over its own TLS connections
     # The renewer's own connection (TLS, 0.5 s timeouts) keeps it alive well past its TTL.
     assert first.handle is not None
-    wait_until(lambda: first.handle.renewals >= 3, timeout=20, message="three renewals over TLS")
+    wait_until(lambda: first.handle.renewals >= 3, timeout=30, message="three renewals over TLS")
     assert first.owned and not first.lost
     assert tls_client.pttl("tls:job") > 0
     first.release()

@@ -82,13 +82,23 @@ def _run_cell(session: nox.Session, celery: str, redis: str, tests: list[str]) -
     )
     installed = str(versions).strip()
     session.log(f"installed: {installed}")
+    selection = list(session.posargs or tests)
+    if tuple(int(part) for part in celery.split(".")[:2]) < (5, 7):
+        # Celery 5.6.0's embedded prefork worker (celery.contrib.testing) does
+        # not stop within its shutdown timeout after a task that raised, even
+        # a plain celery Task without this package (checked on this machine:
+        # "Worker thread failed to exit within the allocated timeout"), and
+        # every embedded worker after it then fails to start. The solo and
+        # threads variants of the same tests still run.
+        session.log("Celery < 5.7: tests parametrized with the prefork pool deselected")
+        selection += ["-k", "not prefork"]
     junit = ROOT / ".nox" / f"junit-{session.name.replace('/', '_')}.xml"
     started = time.monotonic()
     session.run(
         "python",
         "-m",
         "pytest",
-        *(session.posargs or tests),
+        *selection,
         "-q",
         "-p",
         "no:cacheprovider",

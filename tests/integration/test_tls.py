@@ -23,6 +23,8 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from celery_redislock import LockBackendError, RedisLock, SingletonTask, is_skipped
 from celery_redislock.admin import LockInventory
@@ -205,7 +207,9 @@ def tls_client(tls_server: TlsServer) -> Iterator[redis.Redis]:
 
 def test_the_server_refuses_plain_connections(tls_server: TlsServer) -> None:
     # Guards the other tests: nothing here can have gone over plain TCP.
-    plain = redis.Redis(host="127.0.0.1", port=tls_server.port, socket_timeout=1)
+    plain = redis.Redis(
+        host="127.0.0.1", port=tls_server.port, socket_timeout=1, retry=Retry(NoBackoff(), 0)
+    )
     with pytest.raises(redis.ConnectionError):
         plain.ping()
     plain.close()

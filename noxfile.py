@@ -89,8 +89,20 @@ def _run_cell(session: nox.Session, celery: str, redis: str, tests: list[str]) -
         # "Worker thread failed to exit within the allocated timeout"), and
         # every embedded worker after it then fails to start. The solo and
         # threads variants of the same tests still run.
-        session.log("Celery < 5.7: tests parametrized with the prefork pool deselected")
-        selection += ["-k", "not prefork"]
+        #
+        # Celery < 5.7's Redis result backend can deadlock a thread that
+        # publishes while the garbage collector finalizes an AsyncResult
+        # (AsyncResult.__del__ re-enters redis-py's PubSub lock; celery#10477,
+        # fixed in 5.7.0). Seen here once in the test below (a task thread
+        # calling self.retry() stuck in SUBSCRIBE, and the pytest process then
+        # never exits), so it is left out too.
+        session.log(
+            "Celery < 5.7: prefork-parametrized tests and the celery#10477-prone test deselected"
+        )
+        selection += [
+            "-k",
+            "not prefork and not test_a_retry_with_other_arguments_does_not_hand_the_old_key",
+        ]
     junit = ROOT / ".nox" / f"junit-{session.name.replace('/', '_')}.xml"
     started = time.monotonic()
     session.run(

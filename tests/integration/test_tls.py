@@ -36,7 +36,7 @@ from tests.servers import free_port, redis_server_binary, wait_until
 x509 = pytest.importorskip("cryptography.x509")
 from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
 from cryptography.hazmat.primitives.asymmetric import ec  # noqa: E402
-from cryptography.x509.oid import NameOID  # noqa: E402
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID  # noqa: E402
 
 LOCK_DB = 2
 
@@ -76,6 +76,10 @@ def _certificate(
 ) -> x509.Certificate:
     now = datetime.datetime.now(datetime.timezone.utc)
     issuer_name, issuer_key = issuer if issuer is not None else (_name(subject), key)
+    is_ca = issuer is None
+    # The extensions Python 3.13's default VERIFY_X509_STRICT requires (key
+    # usage on the CA, key identifiers on both): without them the handshake
+    # fails there, and only there (the compatibility matrix found it).
     builder = (
         x509.CertificateBuilder()
         .subject_name(_name(subject))
@@ -84,8 +88,30 @@ def _certificate(
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=issuer is None, path_length=None), critical=True)
+        .add_extension(x509.BasicConstraints(ca=is_ca, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=not is_ca,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=is_ca,
+                crl_sign=is_ca,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer_key.public_key()),
+            critical=False,
+        )
     )
+    if not is_ca:
+        usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
+        builder = builder.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
     if server:
         builder = builder.add_extension(
             x509.SubjectAlternativeName(

@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: test quick redis-tools lint demo bench clean
+.PHONY: test quick redis-tools lint demo bench docs matrix matrix-ci clean
 
 $(BIN)/.installed-test: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,8 +35,8 @@ redis-tools:
 
 ## ruff (lint and format) and mypy --strict on the package.
 lint: $(BIN)/.installed-dev
-	$(BIN)/ruff check celery_redislock tests examples bench
-	$(BIN)/ruff format --check celery_redislock tests examples bench
+	$(BIN)/ruff check celery_redislock tests examples bench docs noxfile.py
+	$(BIN)/ruff format --check celery_redislock tests examples bench docs noxfile.py
 	$(BIN)/mypy
 
 ## Start Redis (unless REDIS_URL is set), 2 workers, fire duplicates, print a summary.
@@ -53,5 +53,29 @@ $(BIN)/.installed-bench: pyproject.toml
 bench: $(BIN)/.installed-bench
 	$(BIN)/python -m bench.run
 
+$(BIN)/.installed-docs: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[docs]'
+	touch $@
+
+## Build the reference docs into site/; every warning is an error (--strict).
+docs: $(BIN)/.installed-docs
+	NO_MKDOCS_2_WARNING=1 DISABLE_MKDOCS_2_WARNING=true $(BIN)/mkdocs build --strict
+
+$(BIN)/.installed-matrix: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet 'nox>=2024.3'
+	touch $@
+
+## The whole compatibility matrix (Python x Celery x redis-py), one venv per cell under .nox/.
+matrix: $(BIN)/.installed-matrix
+	$(BIN)/nox --session matrix
+
+## The bounded subset CI runs: the lowest-bound cell on this interpreter, the newest on the others found.
+matrix-ci: $(BIN)/.installed-matrix
+	$(BIN)/nox --session matrix_ci
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .nox site

@@ -63,7 +63,7 @@ def native_lock() -> Any:
 
 
 class Renewable(Protocol):
-    """What the renewer needs of a held lock (a :class:`~celery_redislock.lease.Renewable`).
+    """What the renewer needs of a held lock (a :class:`~celery_redislock.lease.LockHandle`).
 
     The renewer reads the schedule and the token, and reports each outcome
     back through the two methods; it never holds a lock of its own.

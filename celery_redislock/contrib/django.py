@@ -21,7 +21,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from celery.contrib.django.task import DjangoTask
+import celery
+
+try:
+    from celery.contrib.django.task import DjangoTask
+except ImportError as exc:  # Celery 5.3 has no DjangoTask
+    raise ImportError(
+        "celery_redislock.contrib.django needs Celery >= 5.4 (celery.contrib.django.task."
+        f"DjangoTask); this is Celery {celery.__version__}: pip install "
+        "'celery-redislock[django]'"
+    ) from exc
 
 from celery_redislock.task import SingletonTaskMixin
 

@@ -13,6 +13,9 @@ from tests.helpers import held_locks
 from tests.servers import RedisServer
 
 django = pytest.importorskip("django")
+pytest.importorskip(
+    "celery.contrib.django.task", reason="DjangoTask needs Celery >= 5.4 (the django extra)"
+)
 
 pytestmark = pytest.mark.worker
 

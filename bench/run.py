@@ -91,7 +91,10 @@ def main() -> int:
                 report,
                 args.crash_rounds,
                 args.crash_cap,
-                [c for c in contenders if c not in ("plain", "redislock_limit3")],
+                # A smoke run checks the scenario runs: this package only.
+                ["redislock"]
+                if args.smoke
+                else [c for c in contenders if c not in ("plain", "redislock_limit3")],
                 ("default",) if args.smoke else ("default", "ttl60"),
             ),
         ),

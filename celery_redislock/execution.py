@@ -11,6 +11,7 @@ value whose reply was lost so the re-send can take it over.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -144,15 +145,11 @@ class Execution:
         self.value = LockValue.new(owner, task.name).encode()
         headers = request.headers or {}
         self.queued_token = queued_token(request)
-        #: This call's hand-off value: the same for every copy and re-send of
-        #: the call (task id and attempt), new for a ``self.retry()``.
-        self.parked_value = LockValue.parked(
-            request.id or "", request.retries or 0, task.name
-        ).encode()
         # A copy of this very call that parked (Celery's retry() copies the
         # headers of the attempt before: they are not this call's).
+        sent_handoff = _header(request, HANDOFF_HEADER)
         self.handoff: str | None = (
-            self.parked_value if _header(request, HANDOFF_HEADER) == self.parked_value else None
+            self.parked_value if sent_handoff and sent_handoff == self.parked_value else None
         )
         # The original message (and its redeliveries and backoff re-sends)
         # is one copy; the woken message and each safety net are others.
@@ -237,6 +234,16 @@ class Execution:
             )
         self.unsettled = result.acquired  # granted: the handle owns it from here
         return result
+
+    @functools.cached_property
+    def parked_value(self) -> str:
+        """This call's hand-off value: the same for every copy and re-send of it.
+
+        Derived from the task id and attempt, so new for a ``self.retry()``;
+        computed only for runs that may park (it is a hash).
+        """
+        request = self.request
+        return LockValue.parked(request.id or "", request.retries or 0, self.task.name).encode()
 
     @property
     def park_ttl_ms(self) -> int:

@@ -302,7 +302,9 @@ if ARGV[4] ~= '' then
     if was_parked then
         redis.call('LREM', waiters, 0, ARGV[4])
     end
-    if was_parked or handed then
+    -- A copy made by parking (tag other than the original's 'o') marks too:
+    -- after a hand-over whose hold expired unused, nothing else says so.
+    if was_parked or handed or ARGV[5] ~= 'o' then
         redis.call('HSET', ran, ARGV[4], ARGV[5])
         redis.call('PEXPIRE', ran, ARGV[7])
     end

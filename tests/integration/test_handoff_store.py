@@ -188,3 +188,19 @@ def test_a_withdrawn_call_leaves_the_queue_and_no_copy_of_it_runs(
     store.withdraw(KEY, "handoff-b", PARK_TTL)
     assert lock_client.get(KEY) == b"handoff-c"
     assert store.handed[-1][1] == "handoff-c"  # type: ignore[attr-defined]
+
+
+def test_copies_of_a_call_whose_handed_lock_expired_unused_run_once(
+    store: LockStore, lock_client: redis.Redis
+) -> None:
+    """The woken message came late: the hand-off hold expired; its copies still run once."""
+    store.handoff_ttl_ms = 50
+    assert store.acquire(KEY, "holder", TTL).acquired
+    assert park(store, "x", "handoff-x", copy="o").parked
+    store.release(KEY, "holder")
+    assert lock_client.get(KEY) == b"handoff-x"
+    lock_client.delete(KEY)  # the hold ran out before any copy came
+    woken = park(store, "x-woken", "handoff-x", copy="w:1", msg=b"")
+    assert woken.result.acquired
+    store.release(KEY, "x-woken")
+    assert park(store, "x-net", "handoff-x", copy="f:1", msg=b"").already_ran

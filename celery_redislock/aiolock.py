@@ -65,6 +65,10 @@ _FIRST_TAKE_BACK_WAIT = 2.0
 _HOLDS: Holds[AsyncLockHandle] = Holds()
 
 
+#: No contention seen yet (immutable, so one instance serves every lock).
+_NO_CONTENTION = AcquireResult(False)
+
+
 def _caller_owner() -> object:
     """The owner token of the task calling a lock method, or None outside a task.
 
@@ -480,7 +484,7 @@ class AsyncRedisLock:
         self.client = client
         self.backend = AsyncLockStore.for_client(client) if store is None else store
         self.handle: AsyncLockHandle | None = None
-        self._last_contention = AcquireResult(False)
+        self._last_contention = _NO_CONTENTION
 
     def __repr__(self) -> str:
         return f"<AsyncRedisLock {self.name!r} {'held' if self.owned else 'free'}>"
@@ -563,7 +567,7 @@ class AsyncRedisLock:
             raise RuntimeError(f"AsyncRedisLock {self.name!r} is already held by this object")
         blocking = self.blocking if blocking is None else blocking
         timeout = self.timeout if timeout is None else timeout
-        value = LockValue.new(LockOwner.current(None, 0, None), self.name).encode()
+        value = LockValue.new_encoded(LockOwner.current(None, 0, None), self.name)
         ttl_ms = max(int(self.ttl * 1000), 1)
         started = clock()
         handle: AsyncLockHandle | None = None

@@ -142,7 +142,7 @@ class Execution:
                 args, kwargs = task._as_received(args, kwargs, task.serializer)
         self.key = task._key(settings, args, kwargs)
         owner = LockOwner.current(request.id, request.retries or 0, request.hostname)
-        self.value = LockValue.new(owner, task.name).encode()
+        self.value = LockValue.new_encoded(owner, task.name)
         headers = request.headers or {}
         self.queued_token = queued_token(request)
         # A copy of this very call that parked (Celery's retry() copies the

@@ -47,6 +47,10 @@ _MAX_UNSETTLED = 8
 _HOLDS: Holds[LockHandle] = Holds()
 
 
+#: No contention seen yet (immutable, so one instance serves every lock).
+_NO_CONTENTION = AcquireResult(False)
+
+
 def _unsettled(backend: Any, name: str) -> tuple[str, ...]:
     """Values of ``name``'s acquires that timed out in this process (to take over)."""
     per_name = _UNSETTLED.get(backend)
@@ -137,7 +141,7 @@ class RedisLock:
         self.backend = LockStore.for_client(client) if store is None else store
         self.reentrant = reentrant
         self.handle: LockHandle | None = None
-        self._last_contention = AcquireResult(False)
+        self._last_contention = _NO_CONTENTION
 
     def __repr__(self) -> str:
         return f"<RedisLock {self.name!r} {'held' if self.owned else 'free'}>"
@@ -227,7 +231,7 @@ class RedisLock:
             raise RuntimeError(f"RedisLock {self.name!r} is already held by this object")
         blocking = self.blocking if blocking is None else blocking
         timeout = self.timeout if timeout is None else timeout
-        value = LockValue.new(LockOwner.current(None, 0, None), self.name).encode()
+        value = LockValue.new_encoded(LockOwner.current(None, 0, None), self.name)
         ttl_ms = max(int(self.ttl * 1000), 1)
         started = clock()
         handle: LockHandle | None = None

@@ -1,0 +1,126 @@
+"""The transport's own socket reads and writes: replies in pieces, late replies, odd bytes."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+
+import pytest
+import redis
+from redis.exceptions import ConnectionError, NoScriptError, ResponseError, TimeoutError
+
+from celery_redislock.store import LockStore, _Kind
+from celery_redislock.transport import NO_RETRY, Endpoint, read_replies
+from tests.conftest import LOCK_DB
+from tests.servers import RedisServer, server_busy
+
+REPLIES = (
+    b"+OK\r\n"
+    b":-42\r\n"
+    b"$5\r\nhe\r\nl\r\n"  # a bulk string may hold CR LF
+    b"$-1\r\n"
+    b"*-1\r\n"
+    b"*0\r\n"
+    b"*3\r\n:1\r\n*2\r\n$1\r\na\r\n-ERR inner\r\n$0\r\n\r\n"
+    b"-NOSCRIPT No matching script. Please use EVAL.\r\n"
+)
+
+
+@pytest.fixture
+def socket_pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    ours, theirs = socket.socketpair()
+    ours.settimeout(2.0)
+    yield ours, theirs
+    ours.close()
+    theirs.close()
+
+
+def _check(replies: list[object]) -> None:
+    assert replies[:6] == [b"OK", -42, b"he\r\nl", None, None, []]
+    one, inner, empty = replies[6]  # type: ignore[misc]
+    assert one == 1 and empty == b""
+    assert inner[0] == b"a" and isinstance(inner[1], ResponseError)
+    assert str(inner[1]) == "inner"
+    assert isinstance(replies[7], NoScriptError)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, len(REPLIES)])
+def test_replies_split_anywhere_are_read_whole(
+    socket_pair: tuple[socket.socket, socket.socket], chunk: int
+) -> None:
+    ours, theirs = socket_pair
+
+    def send() -> None:
+        for start in range(0, len(REPLIES), chunk):
+            theirs.sendall(REPLIES[start : start + chunk])
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    replies = read_replies(ours, 8)
+    sender.join()
+    _check(replies)
+
+
+def test_bytes_after_the_replies_are_a_connection_error(
+    socket_pair: tuple[socket.socket, socket.socket],
+) -> None:
+    ours, theirs = socket_pair
+    theirs.sendall(b":1\r\n:2\r\n")
+    with pytest.raises(ConnectionError, match="unexpected bytes"):
+        read_replies(ours, 1)
+
+
+def test_a_closed_connection_and_a_silent_one(
+    socket_pair: tuple[socket.socket, socket.socket],
+) -> None:
+    ours, theirs = socket_pair
+    ours.settimeout(0.2)
+    theirs.sendall(b"*2\r\n:1\r\n")  # half a reply, then nothing
+    with pytest.raises(TimeoutError):
+        read_replies(ours, 1)
+    theirs.close()
+    with pytest.raises(ConnectionError, match="closed"):
+        read_replies(ours, 1)
+
+
+def test_an_unknown_reply_type_is_refused(
+    socket_pair: tuple[socket.socket, socket.socket],
+) -> None:
+    ours, theirs = socket_pair
+    theirs.sendall(b"%1\r\n")
+    with pytest.raises(redis.exceptions.InvalidResponse, match="'%'"):
+        read_replies(ours, 1)
+
+
+def _endpoint(store: LockStore) -> Endpoint:
+    return store._topology(_Kind.COMMANDS).endpoint_for("k")
+
+
+def test_a_reply_larger_than_one_read_and_many_replies(server: RedisServer) -> None:
+    store = LockStore(server.url_for(LOCK_DB))
+    endpoint = _endpoint(store)
+    big = b"x" * 300_000
+    assert endpoint.call("SET", "big", big) == b"OK"
+    assert endpoint.call("GET", "big") == big
+    replies = endpoint.pipeline([("GET", "big"), ("INCR", "big"), ("GET", "nothing")] * 20)
+    assert replies[0::3] == [big] * 20
+    assert all(isinstance(reply, ResponseError) for reply in replies[1::3])
+    assert replies[2::3] == [None] * 20
+    with pytest.raises(ResponseError, match="not an integer"):
+        endpoint.call("INCR", "big")
+    assert endpoint.call("PING") == b"PONG"  # the connection is still in step
+
+
+def test_a_reply_that_comes_after_the_timeout_is_never_read_by_the_next_command(
+    server: RedisServer,
+) -> None:
+    """The command ran although its caller gave up: its late reply must not answer another."""
+    store = LockStore(server.url_for(LOCK_DB), {"socket_timeout": 0.2, "retry": NO_RETRY})
+    endpoint = _endpoint(store)
+    assert endpoint.call("SET", "a", "first") == b"OK"
+    with server_busy(server, 0.6), pytest.raises(TimeoutError):
+        endpoint.call("GET", "a")  # its reply "first" arrives after the timeout
+    assert endpoint.call("SET", "b", "second") == b"OK"
+    assert endpoint.call("GET", "b") == b"second"
+    assert endpoint.call("GET", "a") == b"first"

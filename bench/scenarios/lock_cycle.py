@@ -1,8 +1,16 @@
-"""Scenario 2: lock cycles (acquire + release) per second on one connection."""
+"""Scenario 2: lock cycles (acquire + release) on one connection: rate and client CPU.
+
+Beside every contender's cycles per second, the client CPU of one cycle
+(``time.process_time``, every thread of this process: the renewer's too) and
+the floor it is compared with: a pair of bare-socket round trips (``sendall``
+of a PING, ``recv`` of its reply, no client library) measured in the same
+round.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import Callable
 
@@ -86,22 +94,34 @@ def lock_cycle(report: Report, rounds: int, seconds: float) -> None:
 
         cycles["pottery Redlock (1 master)"] = pottery_redlock
     scenario = "2. lock cycle (acquire+release, one process)"
+    bare = _BareSocket(server.port)
     try:
         for name, cycle in cycles.items():
             trips = count_round_trips(server, lambda c=cycle: [c(i) for i in range(50)])
             report.add(scenario, name, "round trips per cycle", "commands", trips / 50)
         for round_no in range(rounds):
-            rates = {}
+            rates: dict[str, float] = {}
+            cpu: dict[str, float] = {}
+            floors: list[float] = []
             for name, cycle in cycles.items():
                 for i in range(200):  # warm up connections and script caches
                     cycle(i)
-                count = 0
-                deadline = time.perf_counter() + seconds
-                started = time.perf_counter()
-                while time.perf_counter() < deadline:
-                    cycle(count % 1000)
-                    count += 1
-                rates[name] = count / (time.perf_counter() - started)
+                rates[name] = _rate(cycle, seconds)
+                # CPU in chunks alternating with the floor's: the two see the
+                # same machine (a shared VM's syscall cost drifts by 3x).
+                cpu[name], floor = _cpu_against_floor(cycle, bare, seconds)
+                floors.append(floor)
+                report.add(
+                    scenario, name, "client CPU per cycle", "µs", cpu[name], cpu[name] / floor
+                )
+            floor = sorted(floors)[len(floors) // 2]
+            report.add(
+                scenario,
+                "bare socket, 2 round trips (the floor)",
+                "client CPU per cycle",
+                "µs",
+                floor,
+            )
             for name in cycles:
                 report.add(
                     scenario,
@@ -112,12 +132,56 @@ def lock_cycle(report: Report, rounds: int, seconds: float) -> None:
                     rates[name] / rates["redis-py Lock"],
                 )
             print(
-                f"  round {round_no + 1}/{rounds}: "
-                + ", ".join(f"{k} {v:.0f}/s" for k, v in rates.items()),
+                f"  round {round_no + 1}/{rounds}: floor {floor:.1f} µs; "
+                + ", ".join(f"{k} {v:.0f}/s {cpu[k]:.1f} µs" for k, v in rates.items()),
                 flush=True,
             )
     finally:
+        bare.close()
         loop.run_until_complete(AsyncLockStore.for_client(async_client).aclose())
         loop.run_until_complete(async_client.aclose())
         loop.close()
         server.close()
+
+
+def _rate(cycle: Callable[[int], None], seconds: float) -> float:
+    count = 0
+    deadline = time.perf_counter() + seconds
+    started = time.perf_counter()
+    while time.perf_counter() < deadline:
+        cycle(count % 1000)
+        count += 1
+    return count / (time.perf_counter() - started)
+
+
+class _BareSocket:
+    """Two PING round trips on a bare socket, no client library: the floor of a cycle."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def __call__(self, _: int) -> None:
+        for _round_trip in range(2):
+            self.sock.sendall(b"*1\r\n$4\r\nPING\r\n")
+            self.sock.recv(64)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _cpu_against_floor(
+    cycle: Callable[[int], None], bare: _BareSocket, seconds: float, chunk: int = 100
+) -> tuple[float, float]:
+    """Client CPU (µs) of one ``cycle`` and of one floor pair, in alternating chunks."""
+    spent = {"cycle": 0.0, "floor": 0.0}
+    count = 0
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        for name, action in (("cycle", cycle), ("floor", bare)):
+            started = time.process_time()
+            for i in range(chunk):
+                action(i)
+            spent[name] += time.process_time() - started
+        count += chunk
+    return spent["cycle"] / count * 1e6, spent["floor"] / count * 1e6

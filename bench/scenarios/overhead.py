@@ -28,14 +28,32 @@ def per_task_overhead(report: Report, rounds: int, n: int, contenders: list[str]
         for pool, concurrency in (("threads", 4), ("prefork", 2)):
             scenario = f"1. per-task overhead ({pool} -c {concurrency}, {n} no-op tasks)"
             for round_no in range(rounds):
-                with worker(broker, locks, pool, concurrency):
+                with worker(broker, locks, pool, concurrency) as process:
                     order = (
                         contenders[round_no % len(contenders) :]
                         + contenders[: round_no % len(contenders)]
                     )
                     rates: dict[str, float] = {}
+                    cpu: dict[str, float] = {}
                     for contender in order:
+                        before = worker_cpu(process.pid)
                         rates[contender] = _drain(tasks, contender, n, counter, locks, round_no)
+                        cpu[contender] = (worker_cpu(process.pid) - before) / n * 1e6
+                    for contender in contenders:
+                        report.add(
+                            scenario,
+                            contender,
+                            "worker CPU per task (all its processes)",
+                            "µs",
+                            cpu[contender],
+                        )
+                        report.add(
+                            scenario,
+                            contender,
+                            "worker CPU the lock adds per task (vs plain)",
+                            "µs",
+                            cpu[contender] - cpu["plain"],
+                        )
                     for contender in contenders:
                         report.add(
                             scenario,
@@ -59,7 +77,7 @@ def per_task_overhead(report: Report, rounds: int, n: int, contenders: list[str]
                             )
                 print(
                     f"  {pool} round {round_no + 1}/{rounds}: "
-                    + ", ".join(f"{c} {rates[c]:.0f}/s" for c in contenders),
+                    + ", ".join(f"{c} {rates[c]:.0f}/s {cpu[c]:.0f} µs" for c in contenders),
                     flush=True,
                 )
     finally:
@@ -78,3 +96,27 @@ def _drain(
         task.apply_async((round_no * 10_000_000 + i,))
     wait_until(lambda: int(counter.get("done") or 0) >= n, timeout=600, interval=0.002)
     return n / (time.perf_counter() - started)
+
+
+def worker_cpu(pid: int) -> float:
+    """CPU seconds (user + system) used so far by process ``pid`` and its live descendants.
+
+    Read from ``/proc``; a pool child that exited is counted in its
+    parent's ``cutime``/``cstime`` once reaped.
+    """
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    pending = [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            with open(f"/proc/{current}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+            # fields[11..14]: utime, stime, cutime, cstime (stat(5) fields 14-17)
+            total += sum(int(value) for value in fields[11:15]) / tick
+            for task in os.listdir(f"/proc/{current}/task"):
+                with open(f"/proc/{current}/task/{task}/children") as children:
+                    pending.extend(int(child) for child in children.read().split())
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total

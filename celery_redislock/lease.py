@@ -10,13 +10,13 @@ and the standalone :class:`~celery_redislock.lock.RedisLock` hold one.
 from __future__ import annotations
 
 import logging
-import os
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 from celery_redislock import signals
 from celery_redislock._clock import clock
+from celery_redislock._process import current_pid
 from celery_redislock.abort import withdraw_abort
 from celery_redislock.exceptions import LockBackendError, LockNotOwned
 from celery_redislock.renewer import native_lock, renewer
@@ -25,7 +25,7 @@ from celery_redislock.store import LockStore, ReleaseOutcome, RenewOutcome
 
 __all__ = ["LockHandle", "release_completely", "report_lost"]
 
-# The logger keeps the name the README documents (the module was lock.py).
+# The logger keeps the name the docs document (the module was lock.py).
 logger = logging.getLogger("celery_redislock.lock")
 
 # Redis expiry and our clock can drift apart a little; treat the lock as
@@ -40,7 +40,7 @@ def _dropped_while_held(pid: int, backend: LockStore, key: str, value: str) -> N
     Only in the process that acquired it: a forked child inherits the handle
     (and this finalizer) but never owned the lock.
     """
-    if os.getpid() == pid:
+    if current_pid() == pid:
         renewer().abandon(backend, key, value)
 
 
@@ -103,7 +103,7 @@ class LockHandle:
         self.renewals = 0
         self._release_done = False
         self._release_sent = False
-        self._pid = os.getpid()
+        self._pid = current_pid()
         self._renewing = False
         self._dropped: weakref.finalize[Any, Any] | None = None
         self._on_lost: list[Callable[[LockHandle], None]] = []
@@ -127,7 +127,7 @@ class LockHandle:
             self._renewing = True
             if scoped:
                 dropped = weakref.finalize(
-                    self, _dropped_while_held, os.getpid(), self.backend, self.key, self.value
+                    self, _dropped_while_held, current_pid(), self.backend, self.key, self.value
                 )
                 dropped.atexit = False  # at exit the TTL frees it; no thread to take it back
                 self._dropped = dropped
@@ -245,11 +245,11 @@ class LockHandle:
         """
         if self._release_done:
             return None
-        if self._pid != os.getpid():
+        if self._pid != current_pid():
             logger.warning(
                 "not releasing lock %s from pid %d: it was acquired by pid %d",
                 self.key,
-                os.getpid(),
+                current_pid(),
                 self._pid,
             )
             return None

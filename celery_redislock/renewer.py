@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from celery_redislock._clock import clock
+from celery_redislock._process import current_pid
 from celery_redislock.exceptions import LockBackendError
 from celery_redislock.store import LockStore, RenewOutcome
 from celery_redislock.takeback import take_back_value
@@ -116,7 +117,7 @@ class Renewer:
         # (backend, key, value) of dropped scoped handles: appended from a
         # finalizer (any thread, inside the garbage collector), so no lock.
         self._abandoned: collections.deque[tuple[LockStore, str, str]] = collections.deque()
-        self._pid = os.getpid()
+        self._pid = current_pid()
         self._running = False
         # When the thread will wake next (clock time), and how long it sleeps
         # when nothing is held: half the shortest renewal period seen, so a
@@ -127,7 +128,9 @@ class Renewer:
         # Backends whose renewal connection this process has opened (or
         # queued for the thread to open); weak, so it keeps none alive.
         self._warm: weakref.WeakSet[LockStore] = weakref.WeakSet()
-        self._to_warm: list[LockStore] = []
+        # Weak: a store whose program dropped it before this thread came to
+        # warm it must not be kept alive, nor connected, by the warming.
+        self._to_warm: list[weakref.ref[LockStore]] = []
         #: Clock reading of the last loop iteration (a liveness heartbeat).
         self.heartbeat: float | None = None
         #: Number of renewal round trips made (for tests and benchmarks).
@@ -153,7 +156,7 @@ class Renewer:
             handle: The lock to renew.
             scoped: Hold it weakly: renew only while its holder keeps it.
         """
-        if self._pid != os.getpid():
+        if self._pid != current_pid():
             self._reset()
         with self._mutex:
             if scoped:
@@ -164,7 +167,7 @@ class Renewer:
             cold = handle.backend not in self._warm
             if cold:
                 self._warm.add(handle.backend)
-                self._to_warm.append(handle.backend)
+                self._to_warm.append(weakref.ref(handle.backend))
             wake = cold or handle.renew_at < self._wake_at
             self._ensure_running()
         if wake:
@@ -225,7 +228,7 @@ class Renewer:
 
     def _tick(self) -> float | None:
         """Renew what is due; return how long to sleep, or None to exit."""
-        if self._pid != os.getpid():
+        if self._pid != current_pid():
             return None  # a forked copy of the thread state; never run here
         now = clock()
         self.heartbeat = now
@@ -244,11 +247,17 @@ class Renewer:
         with self._mutex:
             handles = [*self._handles.values(), *self._scoped.values()]
             to_warm, self._to_warm = self._to_warm, []
-        for backend in to_warm:
+        for backend_ref in to_warm:
             # Connect before the first renewal is due (a cold connection
-            # costs several round trips), off the task's thread.
-            backend.warm_up()
-            now = clock()
+            # costs several round trips), off the task's thread; only if
+            # its lock is still held: a store whose locks were all released
+            # (a short-lived client) would be connected for nothing, and its
+            # connection left open until the store is collected.
+            cold = backend_ref()
+            if cold is not None and self._holds_locks_of(cold):
+                cold.warm_up()
+                now = clock()
+            del cold
         due = [h for h in handles if h.renew_at - h.renew_period / 2 <= now]
         if due:
             try:
@@ -263,6 +272,12 @@ class Renewer:
             sleep = self._idle_sleep if not pending else min(min(pending) - now, _IDLE_WAKE)
             self._wake_at = now + sleep
         return sleep
+
+    def _holds_locks_of(self, backend: LockStore) -> bool:
+        with self._mutex:
+            return any(
+                h.backend is backend for h in (*self._handles.values(), *self._scoped.values())
+            )
 
     def _renew(self, due: list[Renewable]) -> None:
         groups: dict[LockStore, list[Renewable]] = defaultdict(list)

@@ -46,6 +46,7 @@ from celery_redislock.headers import (
 from celery_redislock.keys import (
     bind_lock_arguments,
     custom_key,
+    plain_parameter_names,
     task_key,
     validate_lock_args,
 )
@@ -166,6 +167,7 @@ class SingletonTaskMixin(_TaskBase):
     Request = "celery_redislock.request:SingletonRequest"
 
     _redislock_signature: inspect.Signature | None = None
+    _redislock_plain_names: tuple[str, ...] | None = None
     # Thread- (or greenlet-) local, like Celery's request stack: one task
     # instance serves every thread of the threads pool at once.
     _redislock_held: Any = LocalStack()
@@ -174,7 +176,8 @@ class SingletonTaskMixin(_TaskBase):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         where = f"task {vars(cls).get('name') or cls.__qualname__}"
-        cls._redislock_signature = _run_signature(cls)
+        cls._redislock_signature = signature = _run_signature(cls)
+        cls._redislock_plain_names = None if signature is None else plain_parameter_names(signature)
         cls._redislock_held = LocalStack()
         validate_task_options(cls, where)
         if cls.lock_args is not None and cls._redislock_signature is not None:
@@ -218,9 +221,14 @@ class SingletonTaskMixin(_TaskBase):
         key_function = type(self).lock_key
         if key_function is not None:
             return custom_key(prefix, key_function, args, kwargs or {}, self.name)
-        signature = self._redislock_signature or inspect.signature(self.run)
+        signature = self._redislock_signature
+        plain_names = self._redislock_plain_names
+        if signature is None:
+            signature, plain_names = inspect.signature(self.run), None
         lock_args = None if self.lock_args is None else tuple(self.lock_args)
-        arguments = bind_lock_arguments(signature, args, kwargs or {}, lock_args, self.name)
+        arguments = bind_lock_arguments(
+            signature, args, kwargs or {}, lock_args, self.name, plain_names
+        )
         return task_key(prefix, self.name, arguments)
 
     def _lock_settings(self) -> TaskSettings:

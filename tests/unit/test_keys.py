@@ -19,6 +19,7 @@ from celery_redislock.keys import (
     bind_lock_arguments,
     canonical_encoding,
     custom_key,
+    plain_parameter_names,
     task_key,
 )
 
@@ -49,6 +50,39 @@ def test_call_shapes_of_one_logical_call_share_a_key() -> None:
 def test_keyword_order_never_matters() -> None:
     assert key(1, x=1, y=2) == key(1, y=2, x=1)
     assert key({"a": 1, "b": 2}) == key({"b": 2, "a": 1})
+
+
+def plain_run(a: Any, b: Any, c: Any) -> None:
+    """Positional-or-keyword parameters only, no defaults: bound without Signature.bind."""
+
+
+PLAIN = inspect.signature(plain_run)
+
+
+@pytest.mark.parametrize("lock_args", [None, ("b",), ("c", "a"), ()])
+def test_positional_fast_path_binds_as_signature_bind(lock_args: tuple[str, ...] | None) -> None:
+    names = plain_parameter_names(PLAIN)
+    assert names == ("a", "b", "c")
+    for args, kwargs in [((1, 2, 3), {}), ((1,), {"c": 3, "b": 2}), ((), {"a": 1, "b": 2, "c": 3})]:
+        fast = bind_lock_arguments(PLAIN, args, kwargs, lock_args, "t", names)
+        slow = bind_lock_arguments(PLAIN, args, kwargs, lock_args, "t")
+        assert fast == slow
+        assert list(fast) == list(slow)  # same order: the digest sorts, but be exact
+        assert task_key("p", "t", fast) == task_key("p", "t", slow)
+
+
+def test_positional_fast_path_still_refuses_a_call_that_does_not_fit() -> None:
+    names = plain_parameter_names(PLAIN)
+    with pytest.raises(LockKeyError, match="do not match"):
+        bind_lock_arguments(PLAIN, (1, 2), {}, None, "t", names)
+    with pytest.raises(LockKeyError, match="do not match"):
+        bind_lock_arguments(PLAIN, (1, 2, 3, 4), {}, None, "t", names)
+
+
+def test_signatures_with_defaults_or_variadics_have_no_fast_path() -> None:
+    assert plain_parameter_names(SIG) is None
+    assert plain_parameter_names(inspect.signature(lambda a, /, b: None)) is None
+    assert plain_parameter_names(inspect.signature(lambda: None)) == ()
 
 
 def test_different_calls_get_different_keys() -> None:

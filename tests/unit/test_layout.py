@@ -19,6 +19,7 @@ PACKAGE = Path(celery_redislock.__file__).parent
 #: must work (and be testable) without Celery.
 LOWER_LAYERS = {
     "celery_redislock._clock",
+    "celery_redislock._process",
     "celery_redislock.aiostore",
     "celery_redislock.clients",
     "celery_redislock.exceptions",

@@ -68,3 +68,32 @@ def test_a_value_without_pid_round_trips_and_matches_its_prefix() -> None:
     value = LockValue.new(owner, "t")
     assert LockValue.decode(value.encode()) == value
     assert value.encode().startswith(owner.prefix())
+
+
+def test_nonces_are_unique_across_draws_and_never_repeat_in_a_forked_child() -> None:
+    """Nonces are drawn 64 at a time: a child must not hand out its parent's next ones."""
+    parent = {new_nonce() for _ in range(200)}  # several draws
+    assert len(parent) == 200 and all(len(n) == 32 for n in parent)
+    int(next(iter(parent)), 16)  # hex
+    new_nonce()  # leave a partly used draw behind for the fork
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report its pid as the package sees it and its next nonces
+        from celery_redislock._process import current_pid
+
+        os.write(write_end, f"{current_pid()} {os.getpid()} {new_nonce()} {new_nonce()}".encode())
+        os._exit(0)
+    os.close(write_end)
+    seen_pid, real_pid, *child_nonces = os.read(read_end, 4096).decode().split()
+    os.close(read_end)
+    os.waitpid(pid, 0)
+    assert seen_pid == real_pid == str(pid)
+    parent_next = [new_nonce() for _ in range(2)]
+    assert set(child_nonces).isdisjoint(parent_next)
+    assert set(child_nonces).isdisjoint(parent)
+
+
+def test_current_pid_is_os_getpid() -> None:
+    from celery_redislock._process import current_pid
+
+    assert current_pid() == os.getpid()

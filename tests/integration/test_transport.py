@@ -8,10 +8,24 @@ from collections.abc import Iterator
 
 import pytest
 import redis
-from redis.exceptions import ConnectionError, NoScriptError, ResponseError, TimeoutError
+from redis.exceptions import (
+    AuthenticationError,
+    BusyLoadingError,
+    ConnectionError,
+    NoScriptError,
+    ReadOnlyError,
+    ResponseError,
+    TimeoutError,
+)
 
 from celery_redislock.store import LockStore, _Kind
-from celery_redislock.transport import NO_RETRY, Endpoint, read_replies
+from celery_redislock.transport import (
+    NO_RETRY,
+    Endpoint,
+    Subscription,
+    _send_and_read,
+    read_replies,
+)
 from tests.conftest import LOCK_DB
 from tests.servers import RedisServer, server_busy
 
@@ -124,3 +138,77 @@ def test_a_reply_that_comes_after_the_timeout_is_never_read_by_the_next_command(
     assert endpoint.call("SET", "b", "second") == b"OK"
     assert endpoint.call("GET", "b") == b"second"
     assert endpoint.call("GET", "a") == b"first"
+
+
+class _Pool:
+    """What a connection's ``connection_pool`` says: a Sentinel master's pool or not."""
+
+    def __init__(self, is_master: bool) -> None:
+        self.is_master = is_master
+
+
+class _Connection:
+    """A connection whose socket the test answers for (its other end is ``theirs``)."""
+
+    def __init__(self, sock: socket.socket, is_master: bool = False) -> None:
+        self._sock = sock
+        self.connection_pool = _Pool(is_master)
+
+
+@pytest.mark.parametrize(
+    ("reply", "raised"),
+    [
+        (b"-LOADING Redis is loading the dataset in memory\r\n", BusyLoadingError),
+        (b"-NOAUTH Authentication required.\r\n", AuthenticationError),
+        (b"-WRONGPASS invalid username-password pair\r\n", AuthenticationError),
+    ],
+)
+def test_error_replies_redis_py_treats_as_connection_errors_are_raised(
+    socket_pair: tuple[socket.socket, socket.socket], reply: bytes, raised: type[Exception]
+) -> None:
+    """Raised, not returned as a value: the caller's retry policy sees a connection error."""
+    ours, theirs = socket_pair
+    theirs.sendall(reply)
+    with pytest.raises(raised):
+        _send_and_read(_Connection(ours), b"*1\r\n$4\r\nPING\r\n", 1)
+    assert issubclass(raised, ConnectionError)
+
+
+def test_readonly_from_a_sentinel_master_is_a_failover(
+    socket_pair: tuple[socket.socket, socket.socket],
+) -> None:
+    """As redis-py's SentinelManagedConnection: reconnect to the new master, not fail."""
+    ours, theirs = socket_pair
+    readonly = b"-READONLY You can't write against a read only replica.\r\n"
+    theirs.sendall(readonly)
+    (reply,) = _send_and_read(_Connection(ours), b"*1\r\n$4\r\nPING\r\n", 1)
+    assert isinstance(reply, ReadOnlyError)  # a plain server: a refusal, in place
+    theirs.sendall(readonly)
+    with pytest.raises(ConnectionError, match="previous master"):
+        _send_and_read(_Connection(ours, is_master=True), b"*1\r\n$4\r\nPING\r\n", 1)
+
+
+def test_a_message_arriving_with_the_subscribe_confirmation_is_kept(server: RedisServer) -> None:
+    """A release announced while a waiter subscribes: never a stray-bytes error, never lost."""
+    store = LockStore(server.url_for(LOCK_DB), {"retry": NO_RETRY})
+    endpoint = _endpoint(store)
+    publisher = server.client(LOCK_DB)
+    stop = threading.Event()
+
+    def publish() -> None:
+        while not stop.is_set():
+            pipe = publisher.pipeline(transaction=False)
+            for _ in range(50):
+                pipe.publish("busy", "x")
+            pipe.execute()
+
+    thread = threading.Thread(target=publish)
+    thread.start()
+    try:
+        for _ in range(200):
+            with Subscription(endpoint, "busy") as subscription:
+                assert subscription.wait(2.0)
+    finally:
+        stop.set()
+        thread.join()
+        publisher.close()

@@ -49,6 +49,7 @@ from celery_redislock.store import (
     backend_error,
     decode_text,
     release_call,
+    renew_call,
 )
 from celery_redislock.transport import Script, connection_settings, pack_command
 
@@ -378,7 +379,8 @@ class AsyncLockStore:
         client: A ``redis.asyncio.Redis`` client (single server). The store
             keeps no reference to it.
         renew_timeout: Socket timeout of the renewal and release connections.
-        fence_ttl: Seconds a key's fence counter outlives its last acquisition.
+        fence_ttl: Seconds a key's fence counter is kept after the lock (0:
+            it goes with the lock; see :class:`LockStore`).
 
     Raises:
         ConfigurationError: ``client`` is not a single-server
@@ -386,7 +388,7 @@ class AsyncLockStore:
     """
 
     def __init__(
-        self, client: redis.asyncio.Redis, renew_timeout: float = 0.5, fence_ttl: float = 3600.0
+        self, client: redis.asyncio.Redis, renew_timeout: float = 0.5, fence_ttl: float = 0.0
     ) -> None:
         pool = getattr(client, "connection_pool", None)
         if not isinstance(client, redis.asyncio.Redis) or pool is None:
@@ -565,7 +567,7 @@ class AsyncLockStore:
         execution's re-sent copy runs at its countdown (as with a sync
         store that has no publisher); reported as 1.
         """
-        keys, args = release_call(key, value, "exact", "", 1, HANDOFF_TTL_MS)
+        keys, args = release_call(key, value, "exact", "", 1, HANDOFF_TTL_MS, self.fence_ttl_ms)
         run_script = script_exchange(scripts.RELEASE, keys, args, self.releases.encoding)
         attempts = 0
 
@@ -586,8 +588,9 @@ class AsyncLockStore:
 
     async def do_extend(self, key: str, value: str, ttl_ms: int) -> int:
         """Run ``RENEW_SCRIPT`` for one key; return its status (1, 0 or -1)."""
+        keys, args = renew_call(((key, value, ttl_ms),), self.fence_ttl_ms)
         reply = await self.commands.run(
-            script_exchange(scripts.RENEW, (key,), (value, ttl_ms), self.commands.encoding)
+            script_exchange(scripts.RENEW, keys, args, self.commands.encoding)
         )
         return int(reply[0])
 
@@ -595,10 +598,7 @@ class AsyncLockStore:
         """Run ``RENEW_SCRIPT`` over many keys, chunked, in one pipelined round trip."""
         calls: list[tuple[Sequence[str], Sequence[Any]]] = []
         for start in range(0, len(items), RENEW_CHUNK_SIZE):
-            chunk = items[start : start + RENEW_CHUNK_SIZE]
-            keys = [key for key, _, _ in chunk]
-            args: list[Any] = [value for _, value, _ in chunk] + [ttl for _, _, ttl in chunk]
-            calls.append((keys, args))
+            calls.append(renew_call(items[start : start + RENEW_CHUNK_SIZE], self.fence_ttl_ms))
         replies = await self.renewals.run(
             script_many_exchange(scripts.RENEW, calls, self.renewals.encoding)
         )

@@ -33,20 +33,67 @@ __all__ = [
 ]
 
 
-# Takes the lock: the common end of ACQUIRE and PARK. ``lock_key`` is the
-# key taken, ``current`` the value found in it (false if none),
-# ``counter_key`` the fence counter; ARGV[1..3] the value, its TTL and the
-# counter's TTL. Sets ``fence``.
+# Takes the lock: the common end of ACQUIRE, PARK and ACQUIRE_SLOT.
+# ``lock_key`` is the key taken, ``current`` the value found in it (false if
+# none), ``counter_key`` the fence counter; ARGV[1..3] the value, its TTL and
+# the fence TTL (how long the counter outlives the hold; 0 by default). Sets
+# ``fence``.
+#
+# The fence is max(last fence + 1, server time in µs). The counter exists
+# for as long as the key is held (it has the lock's TTL, is renewed with it,
+# and is never shortened here: another slot's holder may need it longer)
+# and at least until the server clock has passed the fence, so the next
+# fence is larger than this one whether the counter is still there or not
+# (see _SETTLE).
 _TAKE = """
-local fence = redis.call('GET', counter_key)
-if not current or not fence then
-    local now = redis.call('TIME')
-    local micros = tonumber(now[1]) * 1000000 + tonumber(now[2])
-    fence = string.format('%.0f', math.max(tonumber(fence or '0') + 1, micros))
+local last = redis.call('GET', counter_key)
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
+local fence = last
+if not current or not last then
+    fence = string.format('%.0f', math.max(tonumber(last or '0') + 1, now))
 end
-local counter_ttl = math.max(tonumber(ARGV[3]), tonumber(ARGV[2]))
-redis.call('SET', counter_key, fence, 'PX', counter_ttl)
+local counter_ttl = math.max(
+    tonumber(ARGV[2]) + tonumber(ARGV[3]),
+    redis.call('PTTL', counter_key),
+    math.floor((tonumber(fence) - now) / 1000) + 2)
+-- The lock first: the clock may tick between the two SETs, and the
+-- counter must not expire before the lock it belongs to.
 redis.call('SET', lock_key, ARGV[1], 'PX', ARGV[2])
+redis.call('SET', counter_key, fence, 'PX', counter_ttl)
+"""
+
+# Settles a key's fence counter once a release has changed the key: the
+# common end of RELEASE, RELEASE_SLOTS and UNPARK. ``counter_key`` is the
+# counter, ``hold_ms`` how long the key stays held (a kept value's or a
+# hand-off's TTL; 0 when freed), ``fence_ttl`` how long the counter outlives
+# the hold. A counter the server clock has already passed goes with the
+# lock when the key is freed (the default fence TTL is 0): every later
+# fence is then at least the clock, larger than every fence handed out. One
+# still ahead of the clock (its last fence came from last + 1, or the clock
+# stepped back) stays until the clock passes it (+2 ms: TIME is in µs, PX in
+# ms). A held key's counter is never shortened.
+_SETTLE = """
+local last = redis.call('GET', counter_key)
+if last then
+    local clock = redis.call('TIME')
+    local now = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
+    local keep = hold_ms + fence_ttl
+    if hold_ms > 0 or fence_ttl > 0 then
+        -- Never shortened: another slot of the key may still be held, and
+        -- a fence TTL promises at least that long after the release.
+        keep = math.max(keep, redis.call('PTTL', counter_key))
+    end
+    local ahead = tonumber(last) - now
+    if ahead >= 0 then
+        keep = math.max(keep, math.floor(ahead / 1000) + 2)
+    end
+    if keep > 0 then
+        redis.call('PEXPIRE', counter_key, keep)
+    else
+        redis.call('DEL', counter_key)
+    end
+end
 """
 
 # Hands a freed key to the first parked call: the common end of RELEASE and
@@ -79,7 +126,8 @@ end
 # KEYS[2]    - fence counter of this key (same hash slot: see fence_key)
 # ARGV[1]    - value to store (see tokens.py)
 # ARGV[2]    - time to live in milliseconds
-# ARGV[3]    - time to live of the fence counter in milliseconds
+# ARGV[3]    - how long the fence counter outlives the lock, in
+#              milliseconds (redislock_fence_ttl; 0 by default)
 # ARGV[4..n] - values this caller may take over: the queued value its
 #              producer stored at enqueue time, and the values of its own
 #              earlier acquires whose replies were lost (a timeout after the
@@ -88,10 +136,11 @@ end
 #         already holds ARGV[1] (a client retry after a lost reply: still
 #         ours, TTL refreshed, same fence) or one of ARGV[4..n] (same fence
 #         as that holder); {0, holder value, holder PTTL in ms} otherwise.
-# The fence is max(last fence + 1, server time in microseconds): it keeps
-# increasing after a restart that lost the counter, and the counter key
-# expires, so no key is left behind for ever. Lua numbers are doubles; a
-# microsecond timestamp (~1.8e15) is exact below 2^53.
+# The fence is max(last fence + 1, server time in microseconds) (see
+# _TAKE): it keeps increasing after a restart that lost the counter, and
+# the counter goes with the lock, so a released key leaves nothing behind.
+# Lua numbers are doubles; a microsecond timestamp (~1.8e15) is exact below
+# 2^53.
 ACQUIRE_SCRIPT = (
     """
 local lock_key, counter_key = KEYS[1], KEYS[2]
@@ -119,6 +168,7 @@ return {1, fence}
 # KEYS[2] - its waiters list, KEYS[3] its parked hash, KEYS[4] its parking
 #           flag (see keys.handoff_keys): the list and hash are only read
 #           when the flag is set
+# KEYS[5] - its fence counter (keys.fence_key)
 # ARGV[1] - the holder's whole value (mode "exact") or an owner prefix
 #           (mode "prefix", used by a worker's parent for a dead child)
 # ARGV[2] - "exact" or "prefix"
@@ -129,6 +179,9 @@ return {1, fence}
 # ARGV[5] - time to live in milliseconds for ARGV[4]
 # ARGV[6] - time to live in milliseconds of a lock handed to a parked
 #           execution (how long its message has to start)
+# ARGV[7] - how long the fence counter outlives the hold, in milliseconds
+#           (0: a freed key's counter goes with it unless it is still ahead
+#           of the server clock; see _SETTLE)
 # returns 1 if released or handed over (also when the key already holds
 #         ARGV[4]: a retried release whose first reply was lost), 0 if the
 #         key was already gone, -1 if another holder's value is there (it is
@@ -154,8 +207,14 @@ end
 if not ours then
     return -1
 end
+local counter_key, fence_ttl = KEYS[5], tonumber(ARGV[7])
+local hold_ms = 0
 if ARGV[4] ~= '' then
     redis.call('SET', KEYS[1], ARGV[4], 'PX', ARGV[5])
+    hold_ms = tonumber(ARGV[5])
+"""
+    + _SETTLE
+    + """
     redis.call('PUBLISH', ARGV[3], '1')
     return 1
 end
@@ -165,6 +224,12 @@ redis.call('DEL', freed)
 """
     + _HAND_OVER
     + """
+if handed then
+    hold_ms = tonumber(handoff_ttl)
+end
+"""
+    + _SETTLE
+    + """
 redis.call('PUBLISH', ARGV[3], '1')
 if handed then
     return {1, handed[1], handed[2]}
@@ -173,14 +238,21 @@ return 1
 """
 )
 
-# KEYS[1..n] - lock keys
-# ARGV[i]    - the holder's value for KEYS[i]
-# ARGV[n+i]  - new time to live in milliseconds for KEYS[i]
+# KEYS[1..n]    - lock keys
+# KEYS[n+1..2n] - their fence counters (keys.fence_key), optional
+# ARGV[i]       - the holder's value for KEYS[i]
+# ARGV[n+i]     - new time to live in milliseconds for KEYS[i]
+# ARGV[2n+1]    - how long a counter outlives its lock, in milliseconds
+#                 (optional; 0 if absent)
 # returns one status per key: 1 renewed, 0 gone, -1 another holder's value.
 # It only PEXPIREs a key that still holds our value; it never re-creates an
 # expired key, which would hide a gap in which someone else may have run.
+# A renewed lock's counter is extended to live at least as long (never
+# shortened: it may be kept for a clock it is ahead of, or another slot).
 RENEW_SCRIPT = """
-local n = #KEYS
+local n = math.floor(#ARGV / 2)
+local counters = #KEYS == 2 * n
+local fence_ttl = tonumber(ARGV[2 * n + 1] or '0')
 local result = {}
 for i = 1, n do
     local current = redis.call('GET', KEYS[i])
@@ -188,6 +260,12 @@ for i = 1, n do
         result[i] = 0
     elseif current == ARGV[i] then
         redis.call('PEXPIRE', KEYS[i], ARGV[n + i])
+        if counters then
+            local counter_ttl = tonumber(ARGV[n + i]) + fence_ttl
+            if redis.call('PTTL', KEYS[n + i]) < counter_ttl then
+                redis.call('PEXPIRE', KEYS[n + i], counter_ttl)
+            end
+        end
         result[i] = 1
     else
         result[i] = -1
@@ -196,13 +274,16 @@ end
 return result
 """
 
-# KEYS[1..n]   - the lock's slot keys (n = #KEYS - 6; n = 1: the lock key
+# KEYS[1..n]   - the lock's slot keys (n = #KEYS - 7; n = 1: the lock key
 #                itself; see keys.slot_keys for lock_limit)
 # KEYS[n+1]    - fence counter of the key, shared by its slots
 # KEYS[n+2..5] - its waiters list, parked hash, ran hash and parking flag
 #                (keys.handoff_keys)
 # KEYS[n+6]    - its queued key (keys.queued_key), for a coalesced run
-# ARGV[1..3]   - value, its TTL in ms, the fence counter's TTL in ms (as ACQUIRE)
+# KEYS[n+7]    - the queued key's fence counter (its producer took the
+#                queued key with ACQUIRE): deleted with the queued key
+# ARGV[1..3]   - value, its TTL in ms, how long the fence counter outlives
+#                the lock in ms (as ACQUIRE)
 # ARGV[4]      - this call's hand-off value (tokens.LockValue.parked; '' for
 #                a run that never parks): the value a release leaves in a
 #                slot to hand the lock to it
@@ -226,7 +307,7 @@ return result
 #         call already ran (a redelivery of the granted copy is not refused).
 PARK_SCRIPT = (
     """
-local n = #KEYS - 6
+local n = #KEYS - 7
 local counter_key = KEYS[n + 1]
 local waiters, parked_hash, ran = KEYS[n + 2], KEYS[n + 3], KEYS[n + 4]
 local parking, queued = KEYS[n + 5], KEYS[n + 6]
@@ -310,7 +391,7 @@ if ARGV[4] ~= '' then
     end
 end
 if ARGV[8] ~= '' and redis.call('GET', queued) == ARGV[8] then
-    redis.call('DEL', queued)
+    redis.call('DEL', queued, KEYS[n + 7])
 end
 return {1, fence, slot}
 """
@@ -320,19 +401,23 @@ return {1, fence, slot}
 # after it parked): it leaves the queue, every copy of it is dropped from
 # now on, and a slot already handed to it passes to the next parked call.
 #
-# KEYS[1..n]   - the lock's slot keys (n = #KEYS - 4)
+# KEYS[1..n]   - the lock's slot keys (n = #KEYS - 5)
 # KEYS[n+1..4] - its waiters list, parked hash, ran hash and parking flag
+# KEYS[n+5]    - its fence counter, shared by its slots
 # ARGV[1]      - the call's hand-off value
 # ARGV[2]      - what to mark it ran by (a tag no copy has)
 # ARGV[3]      - time to live in ms of the ran hash
 # ARGV[4]      - time to live in ms of a slot handed to the next parked call
 # ARGV[5]      - channel to PUBLISH on when a slot is freed
+# ARGV[6]      - how long the fence counter outlives the hold, in ms (as
+#                RELEASE; the counter is settled only when no slot is held)
 # returns 0, or {slot, hand-off value, message} when a slot held for the
 #         call was handed to the next parked call (the caller publishes it)
 UNPARK_SCRIPT = (
     """
-local n = #KEYS - 4
+local n = #KEYS - 5
 local waiters, parked_hash, ran, parking = KEYS[n + 1], KEYS[n + 2], KEYS[n + 3], KEYS[n + 4]
+local counter_key, fence_ttl = KEYS[n + 5], tonumber(ARGV[6])
 if redis.call('HDEL', parked_hash, ARGV[1]) == 1 then
     redis.call('LREM', waiters, 0, ARGV[1])
 end
@@ -345,6 +430,18 @@ for i = 1, n do
 """
     + _HAND_OVER
     + """
+        local hold_ms, occupied = 0, false
+        if handed then
+            hold_ms = tonumber(handoff_ttl)
+        end
+        for j = 1, n do
+            occupied = occupied or (j ~= i and redis.call('GET', KEYS[j]) ~= false)
+        end
+        if handed or not occupied then
+"""
+    + _SETTLE
+    + """
+        end
         redis.call('PUBLISH', ARGV[5], '1')
         if handed then
             return {i, handed[1], handed[2]}
@@ -414,7 +511,7 @@ return 0
 # KEYS[n+1]  - the fence counter of the base key, shared by every slot
 # ARGV[1]    - value to store
 # ARGV[2]    - time to live in milliseconds
-# ARGV[3]    - time to live of the fence counter in milliseconds
+# ARGV[3]    - how long the fence counter outlives the lock, in ms (as ACQUIRE)
 # ARGV[4]    - the caller's task prefix ("v1|<task id>|") or '': a slot
 #              holding a value with this prefix (another delivery or an
 #              earlier attempt of the same task) is contention, even if
@@ -427,7 +524,8 @@ return 0
 #         deleted, so a caller never holds two. {0, holder value, holder
 #         PTTL in ms} otherwise: a holder of the same task if any, else the
 #         holder with the shortest remaining PTTL (the slot that frees first).
-ACQUIRE_SLOT_SCRIPT = """
+ACQUIRE_SLOT_SCRIPT = (
+    """
 local slots = #KEYS - 1
 local task_prefix = ARGV[4]
 local mine, free, same_task, shortest, shortest_ttl
@@ -477,30 +575,28 @@ if not slot then
     end
     slot = free
 end
-local fence_key = KEYS[slots + 1]
-local fence = redis.call('GET', fence_key)
-if not mine or not fence then
-    local now = redis.call('TIME')
-    local micros = tonumber(now[1]) * 1000000 + tonumber(now[2])
-    fence = string.format('%.0f', math.max(tonumber(fence or '0') + 1, micros))
-end
-local counter_ttl = math.max(tonumber(ARGV[3]), tonumber(ARGV[2]))
-redis.call('SET', fence_key, fence, 'PX', counter_ttl)
-redis.call('SET', KEYS[slot], ARGV[1], 'PX', ARGV[2])
+local lock_key, counter_key, current = KEYS[slot], KEYS[slots + 1], mine
+"""
+    + _TAKE
+    + """
 return {1, fence, slot}
 """
+)
 
 # Release whichever slot holds a value (lock_limit=N > 1): taking back the
 # value of an acquire whose reply was lost, and a worker's parent releasing
 # a dead child's slot by owner prefix, when neither knows the slot.
 #
-# KEYS[1..n] - the slot keys (n = #KEYS - 3)
+# KEYS[1..n] - the slot keys (n = #KEYS - 4)
 # KEYS[n+1..n+3] - the key's waiters list, parked hash and parking flag
+# KEYS[n+4]  - its fence counter, shared by its slots
 # ARGV[1]    - the holder's whole value (mode "exact") or an owner prefix
 #              (mode "prefix")
 # ARGV[2]    - "exact" or "prefix"
 # ARGV[3]    - channel to PUBLISH on when released, to wake waiters
 # ARGV[4]    - time to live in ms of a slot handed to a parked call
+# ARGV[5]    - how long the fence counter outlives the hold, in ms (as
+#              RELEASE; the counter is settled only when no slot is held)
 # returns the number (1..n) of the slot released (every matching slot is
 #         deleted; the lowest is returned, and handed to the first parked
 #         call if any: then {slot, hand-off value, message}), 0 if none
@@ -508,9 +604,9 @@ return {1, fence, slot}
 #         holds another value
 RELEASE_SLOTS_SCRIPT = (
     """
-local n = #KEYS - 3
+local n = #KEYS - 4
 local released = 0
-local empty = false
+local empty, occupied = false, false
 for i = 1, n do
     local current = redis.call('GET', KEYS[i])
     if not current then
@@ -527,6 +623,8 @@ for i = 1, n do
             if released == 0 then
                 released = i
             end
+        else
+            occupied = true
         end
     end
 end
@@ -537,6 +635,15 @@ if released > 0 then
 """
     + _HAND_OVER
     + """
+    if handed or not occupied then
+        local counter_key, fence_ttl, hold_ms = KEYS[n + 4], tonumber(ARGV[5]), 0
+        if handed then
+            hold_ms = tonumber(handoff_ttl)
+        end
+"""
+    + _SETTLE
+    + """
+    end
     redis.call('PUBLISH', ARGV[3], '1')
     if handed then
         return {released, handed[1], handed[2]}

@@ -41,6 +41,7 @@ from redis.retry import Retry
 
 from celery_redislock import scripts
 from celery_redislock._clock import clock
+from celery_redislock._process import current_pid
 from celery_redislock.clients import (
     DEFAULT_OPTIONS,
     build_client,
@@ -80,15 +81,17 @@ __all__ = [
     "backend_error",
     "decode_text",
     "release_call",
+    "renew_call",
 ]
 
-# The logger keeps the name the README documents (the module was backend.py).
+# The logger keeps the name the docs document (the module was backend.py).
 logger = logging.getLogger("celery_redislock.backend")
 
 T = TypeVar("T")
 
-#: Keys per renewal script call: bounds how long one call blocks Redis.
-RENEW_CHUNK_SIZE = 500
+#: Locks per renewal script call: bounds how long one call blocks Redis.
+#: Each lock comes with its fence counter: 500 keys per call.
+RENEW_CHUNK_SIZE = 250
 #: Suffixes of the keys kept beside a lock that are not locks themselves.
 _NOT_LOCKS = tuple(f":{suffix}" for suffix in NOT_LOCK_SUFFIXES)
 #: Times one wait subscribes again after its subscription dropped.
@@ -178,7 +181,8 @@ def backend_error(exc: RedisError, operation: str, key: str, where: str) -> Lock
                 " (the lock store must allow EVAL/EVALSHA, GET, SET, PEXPIRE, PTTL, DEL, "
                 "TIME and PUBLISH on the lock keys for this user, SUBSCRIBE for the "
                 "wait policy, and LPOP, RPUSH, LREM, HSET, HGET, HDEL and HSETNX for "
-                "hand-off, coalescing and debounce; see the README's ACL section)"
+                "hand-off, coalescing and debounce; see the ACL list in the docs' Redis "
+                "topologies page, docs/_parts/topologies.md)"
             )
         return LockBackendError(f"Redis at {where} refused to {operation} lock {key!r}: {detail}")
     return LockBackendError(
@@ -188,12 +192,40 @@ def backend_error(exc: RedisError, operation: str, key: str, where: str) -> Lock
 
 
 def release_call(
-    key: str, match: str, mode: str, keep: str, keep_ms: int, handoff_ttl_ms: int
+    key: str,
+    match: str,
+    mode: str,
+    keep: str,
+    keep_ms: int,
+    handoff_ttl_ms: int,
+    fence_ttl_ms: int = 0,
 ) -> tuple[tuple[str, ...], tuple[Any, ...]]:
     """KEYS and ARGV of ``RELEASE_SCRIPT``: one place for the sync and asyncio stores."""
     waiters, parked, _, parking = handoff_keys(key)
-    args = (match, mode, release_channel(key), keep, max(keep_ms, 1), handoff_ttl_ms)
-    return (key, waiters, parked, parking), args
+    args = (match, mode, release_channel(key), keep, max(keep_ms, 1), handoff_ttl_ms, fence_ttl_ms)
+    return (key, waiters, parked, parking, fence_key(key)), args
+
+
+def renew_call(
+    chunk: Sequence[tuple[str, str, int]], fence_ttl_ms: int
+) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of ``RENEW_SCRIPT`` for ``(key, value, ttl_ms)`` items, counters included."""
+    keys = [key for key, _, _ in chunk]
+    keys += [fence_key(key) for key in keys]
+    args: list[Any] = [value for _, value, _ in chunk] + [ttl for _, _, ttl in chunk]
+    args.append(fence_ttl_ms)
+    return keys, args
+
+
+def _not_a_string(reply: Any) -> Any:
+    """A ``WRONGTYPE`` reply to ``GET`` as ``None``: a key of another type is no lock.
+
+    Someone else's list or hash under the prefix must not stop a listing
+    (``celery redislock ls``) or a worker's start-up recovery.
+    """
+    if isinstance(reply, ResponseError) and str(reply).startswith("WRONGTYPE"):
+        return None
+    return reply
 
 
 def decode_text(value: Any, encoding: str) -> str:
@@ -242,9 +274,13 @@ class LockStore:
             tries twice.
         client: Use this client's settings instead of a URL (the standalone
             lock). The backend keeps no reference to it.
-        fence_ttl: Seconds a key's fence counter outlives its last
-            acquisition (at least the lock's TTL). After that the next fence
-            falls back to the server clock in microseconds, still larger.
+        fence_ttl: Seconds a key's fence counter is kept after the lock
+            (after its release, or its expiry). 0, the default: the counter
+            goes with the lock, unless it is still ahead of the server clock
+            (then it stays until the clock passes it); the next fence is the
+            server clock in microseconds, still larger. A positive value
+            keeps fences increasing for that long even if the server clock
+            steps back (a failover to a replica with a slower clock).
     """
 
     def __init__(
@@ -253,7 +289,7 @@ class LockStore:
         options: Mapping[str, Any] | None = None,
         renew_timeout: float = 0.5,
         client: redis.Redis | RedisCluster | None = None,
-        fence_ttl: float = 3600.0,
+        fence_ttl: float = 0.0,
     ) -> None:
         if client is None and url is None:
             raise ValueError("LockStore needs a url or a client")
@@ -266,7 +302,7 @@ class LockStore:
         self._guard = threading.Lock()
         self._client_guard = threading.Lock()
         self._topologies: dict[_Kind, Topology] = {}
-        self._pid = os.getpid()
+        self._pid = current_pid()
         self._where = "custom client"
         #: Called with ``(key, hand-off value, message)`` when a release
         #: handed the lock to a parked execution; publishes that message
@@ -321,7 +357,7 @@ class LockStore:
             if client is None:
                 raise LockBackendError("the client this lock was made with has been closed")
             return client  # type: ignore[no-any-return]
-        if self._pid != os.getpid():
+        if self._pid != current_pid():
             self._after_fork()
         if self._client is None:
             with self._client_guard:
@@ -335,13 +371,13 @@ class LockStore:
         # A forked child never uses its parent's connections, nor its guards:
         # another thread of the parent may have held one at the fork.
         self._guard, self._client_guard = threading.Lock(), threading.Lock()
-        self._topologies, self._pid = {}, os.getpid()
+        self._topologies, self._pid = {}, current_pid()
 
     def _url_source(self) -> Any:
         return client_source(self.client)()
 
     def _topology(self, kind: _Kind) -> Topology:
-        if self._pid != os.getpid():
+        if self._pid != current_pid():
             self._after_fork()
         topology = self._topologies.get(kind)
         if topology is None:
@@ -533,7 +569,7 @@ class LockStore:
         """
         queued_at, queued_value = queued or (queued_key_of(key), "")
         slots = slot_keys(key, limit)
-        keys = (*slots, fence_key(key), *handoff_keys(key), queued_at)
+        keys = (*slots, fence_key(key), *handoff_keys(key), queued_at, fence_key(queued_at))
         args = (
             value,
             ttl_ms,
@@ -577,8 +613,15 @@ class LockStore:
             LockBackendError: Redis is unreachable or refused the script.
         """
         waiters, parked, ran, parking = handoff_keys(key)
-        keys = (*slot_keys(key, limit), waiters, parked, ran, parking)
-        args = (handoff, "withdrawn", park_ttl_ms, self.handoff_ttl_ms, release_channel(key))
+        keys = (*slot_keys(key, limit), waiters, parked, ran, parking, fence_key(key))
+        args = (
+            handoff,
+            "withdrawn",
+            park_ttl_ms,
+            self.handoff_ttl_ms,
+            release_channel(key),
+            self.fence_ttl_ms,
+        )
         with self._errors("withdraw", key):
             reply = self.do_script(scripts.UNPARK, keys, args)
         if isinstance(reply, list):
@@ -696,7 +739,7 @@ class LockStore:
         keys = slot_keys(key, limit)
         with self._errors("wait for", key), Subscription(endpoint, release_channel(key)) as sub:
             while True:
-                # GETs, not MGET: the ACL the README documents allows GET only.
+                # GETs, not MGET: the documented ACL allows GET only.
                 if limit > 1:
                     values = endpoint.pipeline([("GET", slot) for slot in keys])
                     for error in values:
@@ -892,7 +935,7 @@ class LockStore:
                 for index in indices:
                     key = keys[index]
                     commands += [("GET", key), ("PTTL", key), ("GET", fence_key(key))]
-                replies = endpoint.pipeline(commands)
+                replies = [_not_a_string(reply) for reply in endpoint.pipeline(commands)]
                 for error in replies:
                     if isinstance(error, ResponseError):
                         raise error
@@ -1014,8 +1057,8 @@ class LockStore:
         when a slot is free, as :meth:`do_release` does.
         """
         waiters, parked, _, parking = handoff_keys(key)
-        keys = (*slot_keys(key, limit), waiters, parked, parking)
-        args = (match, mode, release_channel(key), self.handoff_ttl_ms)
+        keys = (*slot_keys(key, limit), waiters, parked, parking, fence_key(key))
+        args = (match, mode, release_channel(key), self.handoff_ttl_ms, self.fence_ttl_ms)
         attempts = 0
 
         def make(endpoint: Endpoint) -> Callable[[Any], Any]:
@@ -1043,7 +1086,9 @@ class LockStore:
         (A hand-off in a lost reply is not published: the parked
         execution's re-sent copy runs at its countdown instead.)
         """
-        keys, args = release_call(key, match, mode, keep, keep_ms, self.handoff_ttl_ms)
+        keys, args = release_call(
+            key, match, mode, keep, keep_ms, self.handoff_ttl_ms, self.fence_ttl_ms
+        )
         attempts = 0
 
         def make(endpoint: Endpoint) -> Callable[[Any], Any]:
@@ -1075,9 +1120,9 @@ class LockStore:
 
     def do_extend(self, key: str, value: str, ttl_ms: int) -> int:
         """Run ``RENEW_SCRIPT`` for one key; return its status (1, 0 or -1)."""
+        keys, args = renew_call(((key, value, ttl_ms),), self.fence_ttl_ms)
         reply = self._topology(_Kind.COMMANDS).run_for_key(
-            key,
-            lambda endpoint: scripts.RENEW.exchange((key,), (value, ttl_ms), endpoint.encoding),
+            key, lambda endpoint: scripts.RENEW.exchange(keys, args, endpoint.encoding)
         )
         return int(reply[0])
 
@@ -1096,7 +1141,7 @@ class LockStore:
             for start in range(0, len(indices), RENEW_CHUNK_SIZE):
                 chunks.append(indices[start : start + RENEW_CHUNK_SIZE])
         for endpoint, chunks in by_endpoint.values():
-            calls = [_renew_call([items[i] for i in chunk]) for chunk in chunks]
+            calls = [renew_call([items[i] for i in chunk], self.fence_ttl_ms) for chunk in chunks]
             replies = scripts.RENEW.many(endpoint, calls)
             for chunk, reply in zip(chunks, replies, strict=True):
                 for index, status in zip(chunk, reply, strict=True):
@@ -1112,12 +1157,6 @@ class LockStore:
         if self.url is not None and self._client is not None:
             self._client.close()
             self._client = None
-
-
-def _renew_call(chunk: Sequence[tuple[str, str, int]]) -> tuple[list[str], list[Any]]:
-    keys = [key for key, _, _ in chunk]
-    args: list[Any] = [value for _, value, _ in chunk] + [ttl for _, _, ttl in chunk]
-    return keys, args
 
 
 def _then_wait(

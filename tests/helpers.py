@@ -30,5 +30,5 @@ def decoded(value: bytes | str | None) -> LockValue | None:
 
 
 def held_locks(client: redis.Redis) -> list[bytes]:
-    """Lock keys present (fence counters, which outlive their locks, left out)."""
+    """Lock keys present (fence counters, which may outlive their locks, left out)."""
     return [key for key in client.scan_iter(count=1000) if not key.endswith(b":fence")]

@@ -15,7 +15,7 @@ from celery_redislock import RedisLock, SingletonTask, is_skipped
 from celery_redislock.admin import LockInventory
 from celery_redislock.keys import fence_key, slot_keys
 from celery_redislock.settings import forget_app_settings
-from celery_redislock.store import LockStore, ReleaseOutcome, RenewOutcome
+from celery_redislock.store import RENEW_CHUNK_SIZE, LockStore, ReleaseOutcome, RenewOutcome
 from tests.servers import RedisClusterServers, wait_until
 
 pytestmark = pytest.mark.slow
@@ -61,7 +61,7 @@ def test_task_locks_spread_over_every_master_and_contend(
     assert [job.apply((n,)).get() for n in range(30)] == list(range(30))
     assert nodes_used == {node.port for node in cluster.nodes}
     keys = sum(int(node.client().dbsize()) for node in cluster.nodes)
-    assert keys == 30  # only the fence counters are left
+    assert keys == 0  # each release took its fence counter along (issue 13)
 
     entered, leave = threading.Event(), threading.Event()
 
@@ -89,7 +89,7 @@ def test_renewal_groups_keys_by_slot_and_keeps_the_callers_order(
     cluster: RedisClusterServers, client: RedisCluster
 ) -> None:
     backend = LockStore(client=client)
-    same_slot = [f"{{tenant}}:job:{i}" for i in range(600)]  # one slot: 2 chunks of <= 500
+    same_slot = [f"{{tenant}}:job:{i}" for i in range(600)]  # one slot: 3 chunks of <= 250
     spread = [f"job:{i}" for i in range(30)]  # 30 keys, whatever slots they hash to
     items = []
     for key in same_slot + spread:
@@ -101,7 +101,9 @@ def test_renewal_groups_keys_by_slot_and_keeps_the_callers_order(
     calls_before = evalsha_calls(cluster)
     outcomes = backend.renew_many(items)
     calls = evalsha_calls(cluster) - calls_before
-    assert calls == len(slots) + 1  # one script call per slot, two for the 600-key slot
+    # one script call per slot, one per chunk for the 600-key slot
+    assert RENEW_CHUNK_SIZE == 250
+    assert calls == len(slots) + 2
     expected = [RenewOutcome.RENEWED] * len(items)
     expected[7] = RenewOutcome.GONE
     expected[600 + 3] = RenewOutcome.STOLEN

@@ -190,17 +190,22 @@ class LockInventory:
         ttl = self.ttl_for(record)
         return ttl - record.ttl_remaining <= ttl / 3 + LIVE_GRACE
 
-    def release(self, record: LockRecord) -> ReleaseOutcome:
+    def release(self, record: LockRecord, *, log: bool = True) -> ReleaseOutcome:
         """Delete the lock if it still holds the value read into ``record``.
 
         Waiters are woken as by a normal release. If the lock changed hands
         since it was read, it is left alone and ``NOT_OURS`` is returned.
 
+        Args:
+            record: The lock as read by :meth:`locks` or :meth:`find`.
+            log: Log the release at WARNING (``force-released ...``); a
+                caller that logs its own line passes False.
+
         Raises:
             LockBackendError: Redis is unreachable.
         """
         outcome = self.settings.backend.release(record.key, record.value)
-        if outcome is ReleaseOutcome.RELEASED:
+        if log and outcome is ReleaseOutcome.RELEASED:
             logger.warning(
                 "force-released lock %s (task %s, holder %s on %s pid %s)",
                 record.key,

@@ -6,7 +6,9 @@ prefix (task id, attempt, node, pid: see ``tokens.py``), which can never
 match a later attempt, and only once the child has exited. A task revoked
 or expired before it started frees its enqueue-time key
 (:func:`release_revoked_queued_lock`). A whole worker killed at once is
-covered by the TTL, which renewal keeps alive only while the holder lives.
+covered by the TTL, which renewal keeps alive only while the holder lives,
+or, when it restarts under the same node name, by its start
+(``recovery.py``).
 """
 
 from __future__ import annotations

@@ -177,7 +177,7 @@ def check_limit_combination(limit: int, enqueue: bool, hold: float, where: str) 
 
 
 def validate_hold(value: Any, where: str) -> float:
-    """Return ``value`` as seconds >= 0 (0 turns the window off), else raise."""
+    """Return ``value`` as seconds >= 0 (0 turns it off: no window, no kept counter), else raise."""
     if value == 0:  # False too: "no window"
         return 0.0
     return validate_ttl(value, where)
@@ -366,10 +366,15 @@ SETTINGS: tuple[SettingSpec, ...] = (
     SettingSpec(
         "redislock_fence_ttl",
         None,
-        3600.0,
-        "Seconds a key's fence counter outlives its last acquisition.",
-        validate_ttl,
-        default_doc="`3600`",
+        0.0,
+        "Seconds (at least) a key's fence counter is kept after its lock is released (or expires). "
+        "At `0` the counter goes with the lock (unless it is still ahead of the server "
+        "clock: then until the clock passes it), so a released key leaves nothing behind; "
+        "the next fence comes from the server clock, still larger. A positive value keeps "
+        "fences increasing for that long even if the server clock steps back (a failover "
+        "to a replica with a slower clock), at one resident key per recently used key.",
+        validate_hold,
+        default_doc="`0` (released with the lock)",
     ),
     SettingSpec(
         "redislock_store_class",
@@ -464,6 +469,16 @@ SETTINGS: tuple[SettingSpec, ...] = (
         1.0,
         "Longest `WAIT` for those replicas, seconds.",
         validate_ttl,
+    ),
+    SettingSpec(
+        "redislock_recover_on_start",
+        None,
+        True,
+        "When a worker starts, release the locks its previous run left behind: values "
+        "naming this worker's node name and a process that no longer runs on this host, "
+        "taken before this worker started. Needs node names unique and stable across "
+        "restarts (`-n name@%h`).",
+        validate_flag,
     ),
 )
 
@@ -593,6 +608,7 @@ class AppSettings:
     min_replicas_timeout: float
     backend: LockStore = field(compare=False, repr=False)
     limit: int = 1
+    recover_on_start: bool = True
 
 
 _CACHE: weakref.WeakKeyDictionary[Celery, AppSettings] = weakref.WeakKeyDictionary()
@@ -641,6 +657,7 @@ def _read(app: Celery) -> AppSettings:
         min_replicas=values["redislock_min_replicas"],
         min_replicas_timeout=values["redislock_min_replicas_timeout"],
         limit=values["redislock_limit"],
+        recover_on_start=values["redislock_recover_on_start"],
         backend=values["redislock_store_class"](
             url,
             dict(options),

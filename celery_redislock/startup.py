@@ -7,17 +7,24 @@ consumer, and a :class:`ConfigurationError` raised there stops the worker
 before it prints ``ready``. An unreachable lock store does not: Redis may
 come up after the worker, and tasks retry (or run, per
 ``redislock_on_backend_error``) until it does.
+
+When the store answers, the same step then releases the locks a previous
+run of this worker node left behind (``recovery.py``,
+``redislock_recover_on_start``), still before the consumer takes its first
+message, so the worker is ``ready`` only once they are free.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from celery import bootsteps
 from celery.signals import worker_init
 
 from celery_redislock.exceptions import ConfigurationError, LockBackendError
+from celery_redislock.recovery import recover_at_start, this_process_started_ms
 from celery_redislock.settings import AppSettings, app_settings
 from celery_redislock.task import SingletonTaskMixin
 
@@ -54,11 +61,18 @@ def check_lock_store(settings: AppSettings) -> bool:
             if settings.on_backend_error == "fail"
             else "tasks run without the lock (redislock_on_backend_error='run')"
         )
+        unrecovered = (
+            " Locks left by a previous run of this worker are not recovered: they expire "
+            "with their TTL."
+            if settings.recover_on_start
+            else ""
+        )
         logger.warning(
             "celery-redislock: %s. The worker starts anyway (Redis may come up later); "
-            "until it answers, %s.",
+            "until it answers, %s.%s",
             exc,
             then,
+            unrecovered,
         )
         return False
     logger.info(
@@ -70,7 +84,10 @@ def check_lock_store(settings: AppSettings) -> bool:
 
 
 class StartupCheck(bootsteps.Step):
-    """Worker bootstep: validate every ``redislock_*`` setting, then check the lock store.
+    """Worker bootstep: validate the settings, check the lock store, recover a crashed run's locks.
+
+    Runs in the worker's main process while the worker is built: before the
+    pool starts its children and before the consumer takes a message.
 
     Raises (when the worker is built):
         ConfigurationError: a setting is unknown or has an unusable value
@@ -98,7 +115,17 @@ class StartupCheck(bootsteps.Step):
                 # ``celery worker``: the line above says it all; exit 1 without a traceback.
                 raise SystemExit(1) from None
             raise
-        check_lock_store(settings)
+        if check_lock_store(settings) and settings.recover_on_start:
+            node = getattr(parent, "hostname", None)
+            if node:
+                recover_at_start(parent.app, node, _worker_started_ms(parent))
+
+
+def _worker_started_ms(worker: Any) -> int:
+    """When the worker's process started (Unix ms); else when the worker was made."""
+    made = getattr(worker, "startup_time", None)  # WorkController: a UTC datetime
+    fallback = int(made.timestamp() * 1000) if made is not None else int(time.time() * 1000)
+    return this_process_started_ms(fallback)
 
 
 @worker_init.connect(weak=False)

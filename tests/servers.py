@@ -318,6 +318,7 @@ class CeleryWorkerProcess:
         name: str = "w1",
         extra: tuple[str, ...] = (),
         command: str = "worker",
+        own_group: bool = False,
     ) -> None:
         self.logfile = tempfile.NamedTemporaryFile(
             prefix=f"redislock-worker-{name}-", suffix=".log", delete=False
@@ -331,8 +332,16 @@ class CeleryWorkerProcess:
             arguments = [command]
         command_line = [sys.executable, "-m", "celery", "-A", app, *arguments, "-l", "info", *extra]
         full_env = {**os.environ, **env, "PYTHONPATH": str(ROOT)}
+        #: Started in a session (and process group) of its own, which
+        #: :meth:`kill_group` kills at once, as systemd or a container runtime does.
+        self.own_group = own_group
         self.process = subprocess.Popen(
-            command_line, stdout=self.logfile, stderr=subprocess.STDOUT, env=full_env, cwd=str(ROOT)
+            command_line,
+            stdout=self.logfile,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            cwd=str(ROOT),
+            start_new_session=own_group,
         )
 
     @property
@@ -349,6 +358,27 @@ class CeleryWorkerProcess:
             return "ready." in self.log()
 
         wait_until(ready, timeout=timeout, interval=0.05, message=f"worker {self.name} ready")
+
+    def ready_at(self) -> float:
+        """When the worker logged ``ready.`` (Unix time, from the log line's timestamp)."""
+        for line in self.log().splitlines():
+            if line.endswith(" ready.") and line.startswith("["):
+                stamp = line[1:].split(": ", 1)[0]  # "2024-05-01 12:00:00,123"
+                parsed = time.strptime(stamp.split(",")[0], "%Y-%m-%d %H:%M:%S")
+                return time.mktime(parsed) + int(stamp.split(",")[1]) / 1000
+        raise AssertionError(f"worker {self.name} logged no ready line:\n{self.log()}")
+
+    def kill_group(self) -> None:
+        """SIGKILL the worker and its pool children at once; return once the worker is reaped."""
+        if self.own_group:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.pid, signal.SIGKILL)
+        else:
+            children = self.children()
+            self.signal(signal.SIGKILL)
+            for child in children:
+                _kill_quietly(child)
+        self.process.wait(10)
 
     def children(self) -> list[int]:
         """PIDs of the worker's pool processes."""

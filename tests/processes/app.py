@@ -6,6 +6,7 @@ the test's own server) and REDISLOCK_TEST_TTL (lock TTL in seconds).
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Any
@@ -31,6 +32,7 @@ app.conf.update(
     worker_prefetch_multiplier=1,
     result_expires=600,
 )
+app.conf.update(json.loads(os.environ.get("REDISLOCK_TEST_CONF", "{}")))
 
 BEAT_INTERVAL = os.environ.get("REDISLOCK_TEST_BEAT_INTERVAL")
 if BEAT_INTERVAL:
@@ -58,8 +60,11 @@ def record() -> redis.Redis:
 
 @app.task(base=SingletonTask, bind=True, lock_args=("name",))
 def hold(self: Any, name: str, seconds: float) -> str:
-    """Record that it started (with its pid and lock key), then sleep."""
-    record().hset(f"started:{self.request.id}", mapping={"pid": os.getpid(), "key": self.lock.key})
+    """Record that it started (with its pid, lock key and when), then sleep."""
+    record().hset(
+        f"started:{self.request.id}",
+        mapping={"pid": os.getpid(), "key": self.lock.key, "at": time.time()},
+    )
     record().rpush(f"runs:{name}", self.request.id)
     record().rpush(f"events:{name}", f"start:{self.request.id}")
     time.sleep(seconds)

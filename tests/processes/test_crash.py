@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import threading
@@ -35,9 +36,22 @@ class Cluster:
         self.record = server.client(RECORD_DB, decode_responses=True)
         self.workers: list[CeleryWorkerProcess] = []
 
-    def worker(self, ttl: float = 30, **kwargs: Any) -> CeleryWorkerProcess:
+    def worker(
+        self,
+        ttl: float = 30,
+        name: str | None = None,
+        conf: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> CeleryWorkerProcess:
+        """Start a worker (node name ``<name>@<host>``, default ``w<n>``); return once ready.
+
+        ``conf``: extra app settings for the worker (``REDISLOCK_TEST_CONF``).
+        """
         env = {"REDISLOCK_TEST_URL": self.server.url, "REDISLOCK_TEST_TTL": str(ttl)}
-        worker = CeleryWorkerProcess(APP, env, name=f"w{len(self.workers)}", **kwargs)
+        if conf:
+            env["REDISLOCK_TEST_CONF"] = json.dumps(conf)
+        name = name or f"w{len(self.workers)}"
+        worker = CeleryWorkerProcess(APP, env, name=name, **kwargs)
         self.workers.append(worker)
         worker.wait_ready()
         return worker

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
+import time
 from typing import Any
 
 import pytest
 from celery import Celery
 
-from celery_redislock import ConfigurationError, SingletonTask, scripts
+from celery_redislock import ConfigurationError, SingletonTask, is_skipped, scripts
+from celery_redislock.recovery import process_started_ms
 from celery_redislock.task import SingletonTaskMixin
+from celery_redislock.tokens import LockOwner, LockValue
 from tests.conftest import LOCK_DB, embedded_worker
 from tests.servers import RedisServer, free_port
 
@@ -101,3 +107,54 @@ def test_an_app_without_singleton_tasks_or_settings_is_not_checked(
     finally:
         app.close()
     assert _startup_lines(caplog) == []
+
+
+# -- start-up recovery (issue 13) ---------------------------------------------
+
+
+def _left_by_a_dead_run(client: Any, key: str, node: str) -> str:
+    """Store a lock value as a killed earlier run of worker ``node`` left it."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # its pid runs no more
+    owner = LockOwner("dead-run", 0, node, child.pid)
+    # Taken before this process (the embedded worker's) started: only such
+    # locks can be a previous run's.
+    this_process = process_started_ms(os.getpid()) or int(time.time() * 1000)
+    value = LockValue(owner, "cd" * 16, "job", this_process - 5_000).encode()
+    assert client.set(key, value, px=60_000)
+    return value
+
+
+@pytest.mark.parametrize("recover", [True, False])
+def test_an_embedded_worker_frees_its_previous_runs_locks_before_it_starts(
+    app_factory: Any, lock_client: Any, caplog: pytest.LogCaptureFixture, recover: bool
+) -> None:
+    app = app_factory(redislock_recover_on_start=recover)
+
+    @app.task(base=SingletonTask, shared=False)
+    def job() -> str:
+        return "ran"
+
+    node = "recovering@embedded"
+    ours = _left_by_a_dead_run(lock_client, job.lock_key_for((), {}), node)
+    elsewhere = _left_by_a_dead_run(lock_client, "redislock:other:{x}", "recovering@elsewhere")
+    with (
+        caplog.at_level(logging.INFO, logger="celery_redislock.recovery"),
+        embedded_worker(app, "threads", 2, hostname=node),
+    ):
+        # start_worker returns once the worker answered a ping: after the bootstep.
+        if recover:
+            assert lock_client.exists(job.lock_key_for((), {})) == 0
+            assert job.delay().get(timeout=10) == "ran"
+        else:
+            assert lock_client.get(job.lock_key_for((), {})).decode() == ours
+            assert is_skipped(job.delay().get(timeout=10))
+    assert lock_client.get("redislock:other:{x}").decode() == elsewhere
+    lines = [r.getMessage() for r in caplog.records if r.name == "celery_redislock.recovery"]
+    if recover:
+        assert len(lines) == 2
+        assert lines[1].startswith(
+            f"celery-redislock: recovered 1 lock left by a previous run of {node}"
+        )
+    else:
+        assert lines == []

@@ -3,18 +3,24 @@
 One source for everything:
 
 * prose pages are the README's sections (the README is the contract the
-  acceptance tests read), placed on pages by ``PAGES``; links between
-  sections are rewritten to the page that now holds the target heading;
+  acceptance tests read) and the Markdown files in ``docs/_parts/`` (the
+  reference parts moved out of the README, which links to them), placed on
+  pages by ``PAGES``; links between them (``#anchor`` within a file,
+  ``docs/_parts/x.md#anchor`` from the README, ``x.md#anchor`` or
+  ``../../README.md#anchor`` from a part) are rewritten to the page that
+  now holds the target heading;
 * the settings reference is built from ``celery_redislock.settings``;
 * the CLI reference from the click command (the ``mkdocs-click`` directive);
 * the API reference from the docstrings (``mkdocstrings`` directives).
 
-A README section that no page places fails the build, so a new section
-cannot silently go missing from the site.
+A README section or a part that no page places fails the build, so a new
+section cannot silently go missing from the site; a link to a heading that
+no page holds is left as it is, for mkdocs' strict link check to fail.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import unicodedata
 from pathlib import Path
@@ -28,7 +34,9 @@ PARTS = ROOT / "docs" / "_parts"
 # page -> (title, [README "## " section titles or "part:<file>" or "gen:<name>"])
 PAGES: dict[str, tuple[str, list[str]]] = {
     "index.md": (
-        "Getting started",
+        # The landing page: the package's name over the README's opening (the
+        # nav still says "Getting started", mkdocs.yml).
+        "celery-redislock",
         [
             "",  # the text before the first "## " heading
             "Install",
@@ -41,33 +49,36 @@ PAGES: dict[str, tuple[str, list[str]]] = {
     ),
     "guarantees.md": (
         "Guarantees and failure modes",
-        ["Where the lock is released", "Guarantees and failure modes"],
+        ["Where the lock is released", "part:parent-release.md", "Guarantees and failure modes"],
     ),
     "policies.md": (
         "Policies",
         [
             "When the lock is held: policies",
+            "part:handoff.md",
             "part:timelines.md",
             "Deduplicating at enqueue time (transaction callbacks, webhooks)",
+            "part:enqueue-unreachable.md",
             "Periodic jobs that must not overlap (beat)",
             "Debounce and throttle",
             "At most N per key",
         ],
     ),
     "settings.md": ("Settings reference", ["gen:settings"]),
-    "cli.md": ("CLI reference", ["Operating it: `celery redislock`", "gen:cli"]),
-    "topologies.md": ("Redis topologies", ["Redis topologies: Sentinel, Cluster, TLS, ACL"]),
-    "observability.md": (
-        "Observability",
-        ["Signals and logging", "Exceptions", "Metrics (Prometheus)", "Flower"],
+    "cli.md": ("CLI reference", ["part:cli.md", "gen:cli"]),
+    "topologies.md": ("Redis topologies", ["part:topologies.md"]),
+    "observability.md": ("Observability", ["part:observability.md"]),
+    "design.md": (
+        "How it works",
+        ["part:how-it-works.md", "part:standalone-lock.md", "part:reference.md"],
     ),
-    "design.md": ("How it works", ["How it works", "Standalone lock", "Reference"]),
-    "benchmarks.md": ("Benchmarks", ["Benchmarks", "gen:bench-results"]),
-    "tests.md": ("Tests", ["Tests"]),
+    "benchmarks.md": ("Benchmarks", ["Benchmarks", "part:benchmarks.md", "gen:bench-results"]),
+    "tests.md": ("Tests", ["Tests", "part:tests.md"]),
 }
 
-# README sections deliberately left off the site (navigation of the README itself).
-SKIPPED_SECTIONS = {"Contents", "Table of contents"}
+# README sections deliberately left off the site: the README's own navigation
+# (its contents, and the list of links to the parts, which the site has as pages).
+SKIPPED_SECTIONS = {"Contents", "Table of contents", "Reference documentation"}
 
 # page -> [(title, module)]: one mkdocstrings block per module.
 REFERENCE: dict[str, tuple[str, list[str]]] = {
@@ -109,6 +120,7 @@ REFERENCE: dict[str, tuple[str, list[str]]] = {
             "celery_redislock.handoff",
             "celery_redislock.owners",
             "celery_redislock.startup",
+            "celery_redislock.recovery",
         ],
     ),
 }
@@ -221,49 +233,85 @@ def bench_results() -> str:
     )
 
 
+README = ROOT / "README.md"
+
+# A Markdown link's target: "(path#anchor)", "(path)" or "(#anchor)".
+_LINK = re.compile(r"\]\(([^)\s#]*)(?:#([^)\s]*))?\)")
+
+
 def build() -> None:
     """Write every page into the virtual docs directory."""
     sections = readme_sections()
-    placed = {item for _, items in PAGES.values() for item in items}
+    items_placed = [item for _, items in PAGES.values() for item in items]
+    placed = set(items_placed)
     unplaced = set(sections) - placed - SKIPPED_SECTIONS
     if unplaced:
         raise SystemExit(f"docs/gen_pages.py: README sections on no page: {sorted(unplaced)}")
+    parts_on_disk = {f"part:{path.name}" for path in PARTS.glob("*.md")}
+    if parts_on_disk - placed:
+        raise SystemExit(f"docs/gen_pages.py: parts on no page: {sorted(parts_on_disk - placed)}")
+    twice = {item for item in items_placed if item.startswith("part:")}
+    twice = {item for item in twice if items_placed.count(item) > 1}
+    if twice:
+        raise SystemExit(f"docs/gen_pages.py: parts on more than one page: {sorted(twice)}")
 
     generated = {"gen:settings": settings_page(), "gen:cli": CLI_DIRECTIVE}
     generated["gen:bench-results"] = bench_results()
-    bodies: dict[str, list[str]] = {}
-    anchor_page: dict[str, tuple[str, str]] = {}  # github slug -> (page, toc slug)
+    # page -> [(source file or None for generated text, text)]
+    chunks: dict[str, list[tuple[Path | None, str]]] = {}
+    # (source file, github slug) -> (page, toc slug); (part file, "") -> its page and first heading
+    anchors: dict[tuple[Path, str], tuple[str, str]] = {}
     for page, (_title, items) in PAGES.items():
-        parts = []
+        page_chunks: list[tuple[Path | None, str]] = []
         for item in items:
+            source: Path | None
             if item.startswith("part:"):
-                parts.append((PARTS / item[5:]).read_text())
+                source = PARTS / item[5:]
+                text = source.read_text()
             elif item.startswith("gen:"):
-                parts.append(generated[item])
+                source, text = None, generated[item]
             else:
                 if item not in sections:
                     raise SystemExit(f"docs/gen_pages.py: no README section {item!r}")
-                parts.append(sections[item])
-        bodies[page] = parts
-        for heading in headings("\n".join(parts)):
-            anchor_page.setdefault(github_slug(heading), (page, toc_slug(heading)))
+                source, text = README, sections[item]
+            page_chunks.append((source, text))
+            if source is None:
+                continue
+            found = headings(text)
+            if source != README and found:
+                anchors[(source, "")] = (page, toc_slug(found[0]))
+            for heading in found:
+                anchors.setdefault((source, github_slug(heading)), (page, toc_slug(heading)))
+        chunks[page] = page_chunks
 
-    def relink(page: str, text: str) -> str:
+    def relink(page: str, source: Path, text: str) -> str:
+        """Point the links of ``text`` (from ``source``) at the pages holding their targets."""
+
         def replace(match: re.Match[str]) -> str:
-            target = anchor_page.get(match.group(1))
+            path, anchor = match.group(1), match.group(2) or ""
+            if "://" in path or path.startswith("mailto:"):
+                return match.group(0)
+            target_file = Path(os.path.normpath(source.parent / path)) if path else source
+            target = anchors.get((target_file, anchor))
             if target is None:
-                return match.group(0)  # left for mkdocs' anchor check to report
+                return match.group(0)  # left for mkdocs' link check to report
             where, slug = target
             return f"]({'' if where == page else where}#{slug})"
 
-        return re.sub(r"\]\(#([^)]+)\)", replace, text)
+        return _LINK.sub(replace, text)
 
-    for page, (title, items) in PAGES.items():
-        text = "\n\n".join(bodies[page]).strip() + "\n"
-        # A page opening with a README section takes that section's heading as its title.
-        text = text[1:] if items[0] in sections and items[0] else f"# {title}\n\n" + text
+    for page, (title, _items) in PAGES.items():
+        text = (
+            "\n\n".join(
+                text if source is None else relink(page, source, text)
+                for source, text in chunks[page]
+            ).strip()
+            + "\n"
+        )
+        # A page opening with a section's heading takes that heading as its title.
+        text = text[1:] if text.startswith("## ") else f"# {title}\n\n" + text
         with mkdocs_gen_files.open(page, "w") as out:
-            out.write(relink(page, text))
+            out.write(text)
 
     for page, (title, modules) in REFERENCE.items():
         with mkdocs_gen_files.open(page, "w") as out:

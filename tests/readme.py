@@ -1,5 +1,8 @@
 """The README's code blocks, for the tests that keep it honest.
 
+The reference parts moved out of the README (``docs/_parts/*.md``, pages of
+the docs site) are read the same way: ``blocks(source=part)``.
+
 A fenced block may follow an HTML comment that says what it is:
 
 * ``<!-- fragment -->``: a piece of a larger program; only compiled.
@@ -17,7 +20,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+PARTS = ROOT / "docs" / "_parts"
 
 _BLOCK = re.compile(
     r"(?:<!--\s*(?P<marker>[^>]*?)\s*-->\n)?^```(?P<language>[\w-]*)\n(?P<body>.*?)^```$",
@@ -31,23 +36,30 @@ class Block:
     body: str
     marker: str  # "" when unmarked
     line: int
+    source: Path = README
 
     @property
     def where(self) -> str:
-        return f"README.md:{self.line}"
+        return f"{self.source.relative_to(ROOT)}:{self.line}"
 
 
-def blocks(text: str | None = None) -> list[Block]:
-    text = README.read_text() if text is None else text
+def blocks(text: str | None = None, source: Path = README) -> list[Block]:
+    text = source.read_text() if text is None else text
     return [
         Block(
             language=match["language"],
             body=match["body"],
             marker=(match["marker"] or "").strip(),
             line=text.count("\n", 0, match.start("body")),
+            source=source,
         )
         for match in _BLOCK.finditer(text)
     ]
+
+
+def part_files() -> list[Path]:
+    """The Markdown parts of the docs site, in name order."""
+    return sorted(PARTS.glob("*.md"))
 
 
 def python_blocks() -> list[Block]:

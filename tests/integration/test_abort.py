@@ -2,7 +2,7 @@
 
 The storm (``storm.py``) runs in its own process, so its SIGALRM handler
 never disturbs pytest. Its size comes from ``REDISLOCK_STORM_CYCLES``
-(10,000 by default); the README's command runs 100,000.
+(10,000 by default); the command in docs/_parts/tests.md runs 100,000.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""An ACL user allowed only what the package needs (the README lists it) is enough."""
+"""An ACL user allowed only what the package needs (the docs list it) is enough."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from celery_redislock.admin import LockInventory
 from celery_redislock.settings import forget_app_settings
 from tests.servers import RedisServer, wait_until
 
-#: The rules the README documents for a lock-store user, key prefix "redislock".
+#: The rules docs/_parts/topologies.md (ACL) gives a lock-store user, key prefix "redislock".
 LOCK_USER_RULES = (
     "~redislock:*",
     "&redislock:*",

@@ -244,7 +244,8 @@ def _interrupt_at_line(n: int) -> Any:
 
     Not on the lines of ``__exit__`` before its ``try`` (``step = None``, ``try:``):
     no signal is delivered there (no eval-breaker check in a store or a NOP),
-    only on the call's first instruction, the window the README documents.
+    only on the call's first instruction, the window docs/_parts/standalone-lock.md
+    documents.
     """
     import celery_redislock.lock
     import celery_redislock.owners

@@ -4,7 +4,8 @@ The server requires client certificates (redis-server's default
 ``tls-auth-clients yes``), so every connection the package opens (the
 acquire/release connections, the renewer's own, the wait policy's
 subscription, the CLI's inventory) must carry the ``ssl_*`` options of
-``redislock_redis_options``, exactly as the README's TLS paragraph shows.
+``redislock_redis_options``, exactly as the TLS paragraph of
+docs/_parts/topologies.md shows.
 """
 
 from __future__ import annotations
@@ -158,7 +159,7 @@ class TlsServer:
         return f"rediss://127.0.0.1:{self.port}/{db}"
 
     def options(self, ca: Path | None = None) -> dict[str, Any]:
-        """The README's ``redislock_redis_options`` for this server."""
+        """The documented ``redislock_redis_options`` (TLS) for this server."""
         return {
             "ssl_ca_certs": str(ca or self.certificates.ca),
             "ssl_certfile": str(self.certificates.client_cert),

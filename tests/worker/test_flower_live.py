@@ -2,8 +2,8 @@
 
 Flower (``celery flower``) runs as a subprocess on the test's own Redis and is
 read through its HTTP API, as a user or a dashboard would; the worker is an
-embedded one sending task events. What the README's Flower section promises
-is checked here:
+embedded one sending task events. What the docs' Flower section
+(docs/_parts/observability.md) promises is checked here:
 
 * the skipped task is SUCCESS, its result is the skip value with the holder;
 * ``raise`` is a FAILURE with ``LockContended``; ``retry`` shows its retry,
@@ -13,7 +13,7 @@ is checked here:
 
 Flower's task page and ``/api/task/info`` list only celery's fixed task
 fields, so the custom event's own fields (``redislock_key``...) are not shown
-there; the README says so.
+there; the docs say so.
 """
 
 from __future__ import annotations

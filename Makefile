@@ -20,8 +20,10 @@ $(BIN)/.installed-dev: pyproject.toml
 	touch $@ $(BIN)/.installed-test
 
 ## Create .venv, install the package with its test extra, run the whole suite.
+## In 3 processes (pytest-xdist): the suite mostly waits on workers and servers,
+## each test starts its own, and 3 keep 2 cores busy (13.4 min -> 5.5 min).
 test: $(BIN)/.installed-test redis-tools
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 3
 
 ## The fast loop: unit and integration tests only (no workers), under 2 minutes.
 quick: $(BIN)/.installed-test redis-tools

@@ -56,6 +56,43 @@ CELL_IDS = [f"celery{celery}-redis{redis}" for celery, redis in CELLS]
 TESTS = ["tests/worker", "tests/unit", "tests/integration/test_tls.py"]
 RESULTS = ROOT / ".nox" / "matrix.md"
 
+# Left out below Celery 5.7, for Celery's faults, not this package's:
+#
+# Celery 5.6.0's embedded prefork worker (celery.contrib.testing) may not stop
+# within its shutdown timeout after a task that raised, even a plain celery
+# Task without this package ("Worker thread failed to exit within the
+# allocated timeout": 1 of 3 tries with Celery 5.6.0 on Python 3.11 here, 0 of
+# 6 with 5.7.0), and every embedded worker after it then fails to start. So
+# every test that runs one is left out: the prefork-parametrized ones ("prefork"
+# in their ids) and those that start a prefork worker themselves (listed by
+# name; one hung the 3.11 celery 5.6.0 cell). The solo and threads variants
+# of the parametrized ones still run.
+#
+# Celery < 5.7's Redis result backend can deadlock a thread that publishes
+# while the garbage collector finalizes an AsyncResult (AsyncResult.__del__
+# re-enters redis-py's PubSub lock; celery#10477, fixed in 5.7.0). It needs a
+# publishing process that also consumes results: Celery's embedded test
+# worker (celery.contrib.testing sets task_join_will_block False), not a
+# threads or prefork `celery worker`, whose sends never subscribe. Seen here
+# in the last two tests (a task thread re-sending itself, stuck in SUBSCRIBE
+# -> AsyncResult.__del__ -> UNSUBSCRIBE; the pytest process then never exits)
+# and, in the test's own main thread publishing a chord, in
+# test_canvas_members_are_published_and_complete (3.12 cell; pytest-timeout's
+# 120 s did not end it). Any test that publishes can hit it: leaving these
+# out makes a Celery 5.6 cell less likely to hang, not sure not to; a hung
+# cell has to be stopped by hand (kill its pytest process).
+CELERY_5_6_DESELECTED = (
+    "prefork",
+    "test_abort_interrupts_a_blocking_body_in_the_main_thread",
+    "test_soft_time_limit_releases",
+    "test_the_worker_adopts_the_queued_lock",
+    "test_a_redelivered_call_that_died_after_parking_runs_once",
+    "test_p1_retry_is_delivered_not_swallowed",
+    "test_p4_producer_and_worker_agree_on_the_key",
+    "test_a_retry_with_other_arguments_does_not_hand_the_old_key",
+    "test_retry_budget_spent_then_fallback",
+)
+
 nox.options.sessions = ["matrix"]
 nox.options.download_python = "never"
 # Skipped, with nox's "Python interpreter X not found", also when CI=true.
@@ -83,26 +120,10 @@ def _run_cell(session: nox.Session, celery: str, redis: str, tests: list[str]) -
     session.log(f"installed: {installed}")
     selection = list(session.posargs or tests)
     if tuple(int(part) for part in celery.split(".")[:2]) < (5, 7):
-        # Celery 5.6.0's embedded prefork worker (celery.contrib.testing) does
-        # not stop within its shutdown timeout after a task that raised, even
-        # a plain celery Task without this package (checked on this machine:
-        # "Worker thread failed to exit within the allocated timeout"), and
-        # every embedded worker after it then fails to start. The solo and
-        # threads variants of the same tests still run.
-        #
-        # Celery < 5.7's Redis result backend can deadlock a thread that
-        # publishes while the garbage collector finalizes an AsyncResult
-        # (AsyncResult.__del__ re-enters redis-py's PubSub lock; celery#10477,
-        # fixed in 5.7.0). Seen here once in the test below (a task thread
-        # calling self.retry() stuck in SUBSCRIBE, and the pytest process then
-        # never exits), so it is left out too.
         session.log(
-            "Celery < 5.7: prefork-parametrized tests and the celery#10477-prone test deselected"
+            "Celery < 5.7: the embedded-prefork tests and the celery#10477-prone tests deselected"
         )
-        selection += [
-            "-k",
-            "not prefork and not test_a_retry_with_other_arguments_does_not_hand_the_old_key",
-        ]
+        selection += ["-k", " and ".join(f"not {name}" for name in CELERY_5_6_DESELECTED)]
     junit = ROOT / ".nox" / f"junit-{session.name.replace('/', '_')}.xml"
     started = time.monotonic()
     session.run(

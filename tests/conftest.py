@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import gc
 import itertools
+import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -13,6 +16,7 @@ import pytest
 import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
+from celery.worker import state as worker_state
 
 from celery_redislock.settings import forget_app_settings
 from tests.servers import RedisServer
@@ -106,20 +110,41 @@ def app(app_factory: Callable[..., Celery]) -> Celery:
 
 
 @contextlib.contextmanager
-def embedded_worker(app: Celery, pool: str = "solo", concurrency: int = 1) -> Iterator[Any]:
-    """Run an embedded worker (a thread of this process; prefork forks children)."""
+def embedded_worker(
+    app: Celery, pool: str = "solo", concurrency: int = 1, **options: Any
+) -> Iterator[Any]:
+    """Run an embedded worker (a thread of this process; prefork forks children).
+
+    ``options`` go to ``start_worker`` (e.g. ``hostname``, the node name).
+    """
     app.loader.import_default_modules()
     if pool == "solo":
         concurrency = 1
-    with start_worker(
-        app,
-        pool=pool,
-        concurrency=concurrency,
-        perform_ping_check=True,
-        shutdown_timeout=20,
-        loglevel="WARNING",
-    ) as worker:
-        yield worker
+    # If the worker thread does not stop, print every thread's stack (the
+    # failure alone says nothing about where it hangs).
+    stack_dump = threading.Timer(
+        15, faulthandler.dump_traceback, kwargs={"file": sys.stderr, "all_threads": True}
+    )
+    stack_dump.daemon = True
+    try:
+        with start_worker(
+            app,
+            pool=pool,
+            concurrency=concurrency,
+            perform_ping_check=True,
+            shutdown_timeout=20,
+            loglevel="WARNING",
+            **options,
+        ) as worker:
+            try:
+                yield worker
+            finally:
+                stack_dump.start()
+    finally:
+        stack_dump.cancel()
+        # Celery leaves should_terminate set when its worker thread fails to stop;
+        # every later embedded worker in this process would then stop at once.
+        worker_state.should_terminate = None
 
 
 @pytest.fixture(params=POOLS)

@@ -25,7 +25,9 @@ TTL_NOTE: dict[tuple[str, str], str] = {
 
 
 def _body() -> None:
-    redis.Redis.from_url(f"{broker_url()}/3").set("pid", os.getpid())
+    record = redis.Redis.from_url(f"{broker_url()}/3")
+    record.set("at", time.time())  # before "pid": a reader that sees "pid" finds "at"
+    record.set("pid", os.getpid())
     time.sleep(30)
 
 

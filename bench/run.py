@@ -47,6 +47,12 @@ def main() -> int:
         default=75.0,
         help="longest wait for a duplicate after a kill (s)",
     )
+    parser.add_argument(
+        "--crash-kills",
+        default="child,worker,restarted",
+        help="scenario 5's kills: child, worker (a spare worker runs the duplicate), "
+        "restarted (the whole worker restarted with the same -n; this package only)",
+    )
     parser.add_argument("--only", default="1,2,3,4,5,6,7", help="scenario numbers, e.g. 1,2")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, to check the bench runs")
     parser.add_argument("--out", default=str(RESULTS))
@@ -72,7 +78,13 @@ def main() -> int:
             "per-task overhead",
             lambda: per_task_overhead(report, args.rounds, args.tasks, contenders),
         ),
-        (2, "lock cycle", lambda: lock_cycle(report, args.rounds, 0.3 if args.smoke else 2.0)),
+        (
+            2,
+            "lock cycle",
+            lambda: lock_cycle(
+                report, args.rounds, 0.3 if args.smoke else 2.0, 200 if args.smoke else 20_000
+            ),
+        ),
         (
             3,
             "renewal at scale",
@@ -96,6 +108,7 @@ def main() -> int:
                 if args.smoke
                 else [c for c in contenders if c not in ("plain", "redislock_limit3")],
                 ("default",) if args.smoke else ("default", "ttl60"),
+                kills=tuple(args.crash_kills.split(",")),
             ),
         ),
         (

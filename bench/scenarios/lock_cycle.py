@@ -4,7 +4,8 @@ Beside every contender's cycles per second, the client CPU of one cycle
 (``time.process_time``, every thread of this process: the renewer's too) and
 the floor it is compared with: a pair of bare-socket round trips (``sendall``
 of a PING, ``recv`` of its reply, no client library) measured in the same
-round.
+round. And what cycles over distinct keys leave behind in Redis (issue 13):
+resident keys after N distinct keys, and bytes of ``used_memory`` per key.
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ from bench.harness import count_round_trips, peers_available
 from bench.report import Report
 from celery_redislock import AsyncRedisLock, RedisLock
 from celery_redislock.aiostore import AsyncLockStore
+from celery_redislock.store import LockStore
 from tests.servers import RedisServer
 
 
-def lock_cycle(report: Report, rounds: int, seconds: float) -> None:
+def lock_cycle(report: Report, rounds: int, seconds: float, distinct: int = 20_000) -> None:
     server = RedisServer()
     client = server.client()
     available = peers_available()
@@ -136,12 +138,57 @@ def lock_cycle(report: Report, rounds: int, seconds: float) -> None:
                 + ", ".join(f"{k} {v:.0f}/s {cpu[k]:.1f} µs" for k, v in rates.items()),
                 flush=True,
             )
+            _left_behind(report, scenario, server, client, distinct)
     finally:
         bare.close()
         loop.run_until_complete(AsyncLockStore.for_client(async_client).aclose())
         loop.run_until_complete(async_client.aclose())
         loop.close()
         server.close()
+
+
+def _left_behind(
+    report: Report, scenario: str, server: RedisServer, client: redis.Redis, distinct: int
+) -> None:
+    """Keys and bytes left in Redis after ``distinct`` cycles, each on a key of its own."""
+    # The pre-issue-13 behaviour, for comparison: a counter kept 1 h per key.
+    kept_counters = LockStore(client=client, fence_ttl=3600)
+
+    def kept(i: int) -> None:
+        lock = RedisLock(client, f"distinct:{i}", ttl=30, store=kept_counters)
+        lock.acquire(blocking=False)
+        lock.release()
+
+    def ours(i: int) -> None:
+        lock = RedisLock(client, f"distinct:{i}", ttl=30)
+        lock.acquire(blocking=False)
+        lock.release()
+
+    def redis_py(i: int) -> None:
+        lock = client.lock(f"distinct:{i}", timeout=30)
+        lock.acquire(blocking=False)
+        lock.release()
+
+    cycles = {
+        "redis-py Lock": redis_py,
+        "celery-redislock RedisLock": ours,
+        "celery-redislock RedisLock, redislock_fence_ttl=3600 (the old default)": kept,
+    }
+    line = []
+    for name, cycle in cycles.items():
+        cycle(-1)  # scripts loaded and connections open before the baseline
+        client.flushall()
+        before = int(client.info("memory")["used_memory"])
+        for i in range(distinct):
+            cycle(i)
+        keys = int(client.dbsize())
+        per_key = (int(client.info("memory")["used_memory"]) - before) / distinct
+        note = f"after {distinct} distinct keys"
+        report.add(scenario, name, "resident keys after N distinct keys", "keys", keys, note=note)
+        report.add(scenario, name, "used_memory left per distinct key", "bytes", per_key, note=note)
+        line.append(f"{name} {keys} keys {per_key:.1f} B/key")
+    client.flushall()
+    print(f"  left behind after {distinct} distinct keys: " + ", ".join(line), flush=True)
 
 
 def _rate(cycle: Callable[[int], None], seconds: float) -> float:

@@ -6,8 +6,11 @@ import contextlib
 import faulthandler
 import gc
 import itertools
+import os
+import signal
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -15,7 +18,7 @@ import celery.contrib.testing.tasks  # noqa: F401  (registers celery.ping for th
 import pytest
 import redis
 from celery import Celery
-from celery.contrib.testing.worker import start_worker
+from celery.contrib.testing.worker import TestWorkController, start_worker
 from celery.worker import state as worker_state
 
 from celery_redislock.settings import forget_app_settings
@@ -109,6 +112,16 @@ def app(app_factory: Callable[..., Celery]) -> Celery:
     return app_factory()
 
 
+class _WorkController(TestWorkController):
+    """Celery's embedded worker, remembering the thread it runs in."""
+
+    thread: threading.Thread | None = None
+
+    def start(self) -> Any:
+        self.thread = threading.current_thread()
+        return super().start()
+
+
 @contextlib.contextmanager
 def embedded_worker(
     app: Celery, pool: str = "solo", concurrency: int = 1, **options: Any
@@ -126,6 +139,7 @@ def embedded_worker(
         15, faulthandler.dump_traceback, kwargs={"file": sys.stderr, "all_threads": True}
     )
     stack_dump.daemon = True
+    worker: Any = None
     try:
         with start_worker(
             app,
@@ -134,17 +148,51 @@ def embedded_worker(
             perform_ping_check=True,
             shutdown_timeout=20,
             loglevel="WARNING",
+            WorkController=_WorkController,
             **options,
         ) as worker:
             try:
                 yield worker
             finally:
                 stack_dump.start()
+    except RuntimeError as exc:
+        if "failed to exit" not in str(exc) or not _stopped_by_killing_children(worker):
+            raise
     finally:
         stack_dump.cancel()
         # Celery leaves should_terminate set when its worker thread fails to stop;
         # every later embedded worker in this process would then stop at once.
         worker_state.should_terminate = None
+
+
+def _stopped_by_killing_children(worker: Any) -> bool:
+    """Kill a stuck prefork worker's children; True if its thread then stops.
+
+    Celery's embedded prefork worker sometimes does not stop within its
+    shutdown timeout after a task that raised (seen with plain Celery tasks,
+    without this package, on Celery 5.6; once on 5.7 in CI under load). What
+    the test asserts happened while the worker ran; its stop is Celery's.
+    The stack printed at 15 s says where it stuck; this is reported as a
+    warning (which Celery's worker logging turns into a ``py.warnings`` log line).
+    """
+    processes = getattr(getattr(getattr(worker, "pool", None), "_pool", None), "_pool", None)
+    thread = getattr(worker, "thread", None)
+    if not processes or thread is None:
+        return False
+    for process in list(processes):
+        if process.pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signal.SIGKILL)
+    worker_state.should_terminate = 0
+    thread.join(10)
+    if thread.is_alive():
+        return False
+    warnings.warn(
+        "Celery's embedded prefork worker did not stop in 20 s; it stopped once its "
+        "pool processes were killed (its threads' stacks are in the captured stderr)",
+        stacklevel=2,
+    )
+    return True
 
 
 @pytest.fixture(params=POOLS)

@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -154,6 +155,8 @@ def embedded_worker(
             try:
                 yield worker
             finally:
+                if pool == "prefork":
+                    _let_children_finish(worker)
                 stack_dump.start()
     except RuntimeError as exc:
         if "failed to exit" not in str(exc) or not _stopped_by_killing_children(worker):
@@ -165,31 +168,57 @@ def embedded_worker(
         worker_state.should_terminate = None
 
 
-def _stopped_by_killing_children(worker: Any) -> bool:
-    """Kill a stuck prefork worker's children; True if its thread then stops.
+def _let_children_finish(worker: Any, timeout: float = 3.0) -> None:
+    """Wait (a bounded time) until no task is running in the worker's pool.
 
-    Celery's embedded prefork worker sometimes does not stop within its
-    shutdown timeout after a task that raised (seen with plain Celery tasks,
-    without this package, on Celery 5.6; once on 5.7 in CI under load). What
-    the test asserts happened while the worker ran; its stop is Celery's.
-    The stack printed at 15 s says where it stuck; this is reported as a
-    warning (which Celery's worker logging turns into a ``py.warnings`` log line).
+    Celery's embedded worker stops by terminating its pool: its children get
+    SIGTERM wherever they are. A child killed while it writes a task's result
+    leaves half a message in its pipe, and the parent's shutdown then blocks
+    reading the rest for ever (it holds the pipe's write end, so no EOF comes:
+    celery/concurrency/asynpool.py, ``_flush_outqueue``, says so). A test
+    usually ends as soon as the task did what it checks, before its result is
+    written: so let running tasks finish first. A task still running after
+    ``timeout`` (one a test leaves behind on purpose) is terminated as before.
     """
-    processes = getattr(getattr(getattr(worker, "pool", None), "_pool", None), "_pool", None)
+    deadline = time.monotonic() + timeout
+    while worker_state.active_requests and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def _stopped_by_killing_children(worker: Any) -> bool:
+    """Unblock a prefork worker stuck stopping; True if its thread then stops.
+
+    The stack printed at 15 s shows where it stuck; seen: the parent reading
+    the rest of a result message a child killed at shutdown had half written
+    (see :func:`_let_children_finish`). Kill the children and close the
+    parent's write end of each result pipe, so that the read gets EOF and the
+    pool's shutdown goes on. What the test asserts happened while the worker
+    ran; its stop is Celery's. Reported as a warning (which Celery's worker
+    logging turns into a ``py.warnings`` log line).
+    """
+    asyn_pool = getattr(getattr(worker, "pool", None), "_pool", None)
     thread = getattr(worker, "thread", None)
-    if not processes or thread is None:
+    if asyn_pool is None or thread is None:
         return False
-    for process in list(processes):
+    processes = {
+        *getattr(asyn_pool, "_pool", ()),
+        *getattr(asyn_pool, "_fileno_to_outq", {}).values(),
+    }
+    for process in processes:
         if process.pid:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(process.pid, signal.SIGKILL)
+        outq = getattr(process, "outq", None)
+        if outq is not None:
+            with contextlib.suppress(OSError):
+                outq._writer.close()
     worker_state.should_terminate = 0
     thread.join(10)
     if thread.is_alive():
         return False
     warnings.warn(
         "Celery's embedded prefork worker did not stop in 20 s; it stopped once its "
-        "pool processes were killed (its threads' stacks are in the captured stderr)",
+        "pool processes were killed and their result pipes closed",
         stacklevel=2,
     )
     return True

@@ -1,0 +1,53 @@
+"""The embedded-worker fixture itself: a prefork worker stuck stopping is freed.
+
+Celery's embedded prefork worker stops by terminating its pool. A child killed
+while it writes a result leaves half a message in its pipe, and the parent's
+shutdown blocks reading the rest for ever (seen in CI after a task that raised
+``Ignore``). ``embedded_worker`` then kills the children and closes the
+parent's write end of their pipes; this reproduces the stuck read.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import struct
+import threading
+import time
+
+import pytest
+import redis
+from celery import Celery
+from celery.worker import state as worker_state
+
+from tests.conftest import embedded_worker
+from tests.servers import wait_until
+
+pytestmark = [pytest.mark.worker, pytest.mark.slow]
+
+
+def test_a_prefork_worker_stuck_on_a_half_written_result_is_stopped(
+    app: Celery, record: redis.Redis
+) -> None:
+    @app.task(shared=False)
+    def stubborn() -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # survives the pool's terminate
+        record.set("started", 1)
+        time.sleep(300)
+
+    with embedded_worker(app, "prefork", 1) as worker:
+        stubborn.delay()
+        wait_until(lambda: record.get("started"), timeout=10, message="the task to start")
+        children = list(worker.pool._pool._pool)
+
+        def half_write_a_result() -> None:
+            # Once the pool is being stopped: a header announcing 1,000 bytes,
+            # and 10 of them (what a child killed mid-write leaves).
+            wait_until(lambda: worker_state.should_terminate == 0, timeout=60)
+            time.sleep(0.5)
+            for child in children:
+                os.write(child.outq._writer.fileno(), struct.pack("!i", 1000) + b"x" * 10)
+
+        threading.Thread(target=half_write_a_result, daemon=True).start()
+    # Celery's own join gave up after 20 s (RuntimeError); the fixture freed it.
+    assert worker.thread is not None and not worker.thread.is_alive()

@@ -18,6 +18,7 @@ from celery_redislock.recovery import (
     process_started_ms,
 )
 from celery_redislock.tokens import KEPT_HOST, PARKED_HOST, QUEUED_HOST, LockOwner, LockValue
+from tests.servers import wait_until
 
 NODE = "w1@host-a"
 WORKER_STARTED = 1_700_000_100_000  # ms
@@ -164,10 +165,7 @@ def test_a_zombie_is_not_running() -> None:
             with open(f"/proc/{child.pid}/stat") as stat:
                 return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
 
-        deadline = time.monotonic() + 10
-        while not zombie():
-            assert time.monotonic() < deadline, "the child did not exit"
-            time.sleep(0.01)
+        wait_until(zombie, timeout=10, message="the child to exit")
         assert process_started_ms(child.pid) is None
     finally:
         child.wait()

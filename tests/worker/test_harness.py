@@ -17,8 +17,8 @@ import time
 
 import pytest
 import redis
+from billiard.pool import TERMINATE
 from celery import Celery
-from celery.worker import state as worker_state
 
 from tests.conftest import embedded_worker
 from tests.servers import wait_until
@@ -38,13 +38,14 @@ def test_a_prefork_worker_stuck_on_a_half_written_result_is_stopped(
     with embedded_worker(app, "prefork", 1) as worker:
         stubborn.delay()
         wait_until(lambda: record.get("started"), timeout=10, message="the task to start")
-        children = list(worker.pool._pool._pool)
+        pool = worker.pool._pool
+        children = list(pool._pool)
 
         def half_write_a_result() -> None:
-            # Once the pool is being stopped: a header announcing 1,000 bytes,
-            # and 10 of them (what a child killed mid-write leaves).
-            wait_until(lambda: worker_state.should_terminate == 0, timeout=60)
-            time.sleep(0.5)
+            # Once the pool is being terminated (the event loop no longer reads
+            # the pipes): a header announcing 1,000 bytes, and 10 of them (what
+            # a child killed mid-write leaves).
+            wait_until(lambda: pool._state == TERMINATE, timeout=60, message="the pool's stop")
             for child in children:
                 os.write(child.outq._writer.fileno(), struct.pack("!i", 1000) + b"x" * 10)
 

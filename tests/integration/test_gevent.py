@@ -207,3 +207,53 @@ def test_a_reentrant_lock_is_owned_per_greenlet_whatever_the_import_order(
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result == {"overlaps": [False] * 3, "depths": [1] * 3, "left": 0}
+
+
+TIMEOUT = textwrap.dedent(
+    """
+    import socket, sys, time
+    if sys.argv[2] == "patch-first":
+        from gevent import monkey
+        monkey.patch_all()
+    from celery_redislock.store import LockStore, _Kind
+    from celery_redislock.transport import NO_RETRY
+    if sys.argv[2] == "import-first":
+        from gevent import monkey
+        monkey.patch_all()
+    import redis
+
+    store = LockStore(sys.argv[1], {"socket_timeout": 0.3, "retry": NO_RETRY})
+    endpoint = store._topology(_Kind.COMMANDS).endpoint_for("k")
+    assert endpoint.call("PING") == b"PONG"
+    (connection,) = endpoint._idle
+    kept = connection._sock.gettimeout()
+    host, port = connection.host, connection.port
+    sleeper = socket.create_connection((host, port))
+    sleeper.sendall(b"DEBUG SLEEP 2\\r\\n")
+    time.sleep(0.2)
+    started = time.monotonic()
+    try:
+        endpoint.call("PING")
+        outcome = "answered"
+    except redis.TimeoutError:
+        outcome = "timed out"
+    print(kept, outcome.replace(" ", "-"), round(time.monotonic() - started, 2))
+    """
+)
+
+
+@pytest.mark.parametrize("order", ["patch-first", "import-first"])
+def test_a_green_socket_keeps_its_timeout_in_the_hub(server: RedisServer, order: str) -> None:
+    """gevent's sockets wait in the hub: their timeout is never moved into the kernel."""
+    out = subprocess.run(
+        [sys.executable, "-c", TIMEOUT, server.url_for(LOCK_DB), order],
+        capture_output=True,
+        text=True,
+        cwd=str(ROOT),
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    kept, outcome, seconds = out.stdout.strip().splitlines()[-1].rsplit(" ", 2)
+    assert (kept, outcome) == ("0.3", "timed-out")
+    assert float(seconds) < 1.5

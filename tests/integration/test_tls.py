@@ -326,3 +326,16 @@ def test_a_wrong_ca_is_a_clear_backend_error(
     )
     with pytest.raises(LockBackendError, match="certificate verify failed"):
         LockInventory(app).locks()
+
+
+def test_a_tls_socket_keeps_its_own_timeout(tls_client: redis.Redis) -> None:
+    """OpenSSL reads the socket: its timeout stays Python's, not moved into the kernel."""
+    import ssl
+
+    from celery_redislock.store import LockStore, _Kind
+
+    endpoint = LockStore(client=tls_client)._topology(_Kind.COMMANDS).endpoint_for("k")
+    assert endpoint.call("PING") == b"PONG"
+    (connection,) = endpoint._idle
+    assert isinstance(connection._sock, ssl.SSLSocket)
+    assert connection._sock.gettimeout() == connection.socket_timeout is not None

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import socket
+import struct
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -23,6 +25,7 @@ from celery_redislock.transport import (
     NO_RETRY,
     Endpoint,
     Subscription,
+    _kernel_timeouts,
     _send_and_read,
     read_replies,
 )
@@ -85,11 +88,15 @@ def test_bytes_after_the_replies_are_a_connection_error(
         read_replies(ours, 1)
 
 
+@pytest.mark.parametrize("where", ["python", "kernel"])
 def test_a_closed_connection_and_a_silent_one(
-    socket_pair: tuple[socket.socket, socket.socket],
+    socket_pair: tuple[socket.socket, socket.socket], where: str
 ) -> None:
     ours, theirs = socket_pair
     ours.settimeout(0.2)
+    if where == "kernel":
+        _kernel_timeouts(ours)
+        assert ours.gettimeout() is None
     theirs.sendall(b"*2\r\n:1\r\n")  # half a reply, then nothing
     with pytest.raises(TimeoutError):
         read_replies(ours, 1)
@@ -138,6 +145,49 @@ def test_a_reply_that_comes_after_the_timeout_is_never_read_by_the_next_command(
     assert endpoint.call("SET", "b", "second") == b"OK"
     assert endpoint.call("GET", "b") == b"second"
     assert endpoint.call("GET", "a") == b"first"
+
+
+def _kernel_timeout(sock: socket.socket, option: int) -> float:
+    seconds, microseconds = struct.unpack("ll", sock.getsockopt(socket.SOL_SOCKET, option, 16))
+    return float(seconds + microseconds / 1e6)
+
+
+def test_a_plain_sockets_timeout_is_kept_by_the_kernel() -> None:
+    """One system call per send or receive, no poll(); a frozen server still times out."""
+    server = RedisServer()
+    try:
+        store = LockStore(server.url_for(LOCK_DB), {"socket_timeout": 0.3, "retry": NO_RETRY})
+        endpoint = _endpoint(store)
+        assert endpoint.call("SET", "a", "1") == b"OK"
+        (connection,) = endpoint._idle
+        sock = connection._sock
+        assert sock.gettimeout() is None
+        assert _kernel_timeout(sock, socket.SO_RCVTIMEO) == pytest.approx(0.3)
+        assert _kernel_timeout(sock, socket.SO_SNDTIMEO) == pytest.approx(0.3)
+        server.pause()
+        try:
+            started = time.monotonic()
+            with pytest.raises(TimeoutError, match="reading"):
+                endpoint.call("GET", "a")
+            assert 0.25 <= time.monotonic() - started < 2.0
+            assert connection._sock is None  # dropped, not kept with a reply owed
+        finally:
+            server.resume()
+        assert endpoint.call("SET", "b", "2") == b"OK"
+        assert endpoint.call("GET", "a") == b"1"
+    finally:
+        server.close()
+
+
+def test_a_timeout_below_a_microsecond_is_not_infinite(
+    socket_pair: tuple[socket.socket, socket.socket],
+) -> None:
+    ours, _theirs = socket_pair
+    ours.settimeout(1e-9)  # SO_RCVTIMEO 0 would mean "wait forever"
+    _kernel_timeouts(ours)
+    assert _kernel_timeout(ours, socket.SO_RCVTIMEO) > 0
+    with pytest.raises(TimeoutError):
+        read_replies(ours, 1)
 
 
 class _Pool:

@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 from celery import Task
 from celery.exceptions import Retry as CeleryRetry
-from celery.utils.threads import LocalStack
 
+from celery_redislock._local import ExecutionStack
 from celery_redislock.enqueue import publish_once
 from celery_redislock.execution import CONTENTION_EVENT, Execution
 from celery_redislock.headers import (
@@ -179,7 +179,7 @@ class SingletonTaskMixin(_TaskBase):
     _redislock_plain_names: tuple[str, ...] | None = None
     # Thread- (or greenlet-) local, like Celery's request stack: one task
     # instance serves every thread of the threads pool at once.
-    _redislock_held: Any = LocalStack()
+    _redislock_held: ExecutionStack[Execution] = ExecutionStack()
     _redislock_settings: tuple[AppSettings, TaskSettings] | None = None
     #: The ``__call__`` that ``super().__call__`` reaches. When it is Celery's
     #: own ``Task.__call__`` (compared at call time: it may be patched), which
@@ -195,7 +195,7 @@ class SingletonTaskMixin(_TaskBase):
         where = f"task {vars(cls).get('name') or cls.__qualname__}"
         cls._redislock_signature = signature = _run_signature(cls)
         cls._redislock_plain_names = None if signature is None else plain_parameter_names(signature)
-        cls._redislock_held = LocalStack()
+        cls._redislock_held = ExecutionStack()
         cls._redislock_next_call = _next_call(cls)
         validate_task_options(cls, where)
         if cls.lock_args is not None and cls._redislock_signature is not None:

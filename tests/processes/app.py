@@ -189,8 +189,11 @@ def slow_cleanup(self: Any, name: str) -> str:
 @app.task(base=SingletonTask, bind=True, lock_args=("name",), lock_ttl=0.6)
 def green_hold(self: Any, name: str, seconds: float) -> int:
     """Under the gevent pool: hold the lock past TTL/3, so the native renewer renews it."""
+    held = self.lock
     time.sleep(seconds)  # patched by gevent: the greenlet yields
-    return int(self.lock.renewals)
+    if self.lock is not held or held is None or held.key != self.lock_key_for((name, seconds), {}):
+        raise RuntimeError("self.lock is not this greenlet's own lock after a switch")
+    return int(held.renewals)
 
 
 @app.task(base=SingletonTask, lock_args=())

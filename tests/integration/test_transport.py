@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import signal
 import socket
-import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -25,7 +25,6 @@ from celery_redislock.transport import (
     NO_RETRY,
     Endpoint,
     Subscription,
-    _kernel_timeouts,
     _send_and_read,
     read_replies,
 )
@@ -88,15 +87,11 @@ def test_bytes_after_the_replies_are_a_connection_error(
         read_replies(ours, 1)
 
 
-@pytest.mark.parametrize("where", ["python", "kernel"])
 def test_a_closed_connection_and_a_silent_one(
-    socket_pair: tuple[socket.socket, socket.socket], where: str
+    socket_pair: tuple[socket.socket, socket.socket],
 ) -> None:
     ours, theirs = socket_pair
     ours.settimeout(0.2)
-    if where == "kernel":
-        _kernel_timeouts(ours)
-        assert ours.gettimeout() is None
     theirs.sendall(b"*2\r\n:1\r\n")  # half a reply, then nothing
     with pytest.raises(TimeoutError):
         read_replies(ours, 1)
@@ -147,23 +142,15 @@ def test_a_reply_that_comes_after_the_timeout_is_never_read_by_the_next_command(
     assert endpoint.call("GET", "a") == b"first"
 
 
-def _kernel_timeout(sock: socket.socket, option: int) -> float:
-    seconds, microseconds = struct.unpack("ll", sock.getsockopt(socket.SOL_SOCKET, option, 16))
-    return float(seconds + microseconds / 1e6)
-
-
-def test_a_plain_sockets_timeout_is_kept_by_the_kernel() -> None:
-    """One system call per send or receive, no poll(); a frozen server still times out."""
+def test_a_frozen_server_times_out_reading_and_writing() -> None:
+    """The plain socket's first write bypasses ``sendall``: its timeout still holds."""
     server = RedisServer()
     try:
         store = LockStore(server.url_for(LOCK_DB), {"socket_timeout": 0.3, "retry": NO_RETRY})
         endpoint = _endpoint(store)
         assert endpoint.call("SET", "a", "1") == b"OK"
         (connection,) = endpoint._idle
-        sock = connection._sock
-        assert sock.gettimeout() is None
-        assert _kernel_timeout(sock, socket.SO_RCVTIMEO) == pytest.approx(0.3)
-        assert _kernel_timeout(sock, socket.SO_SNDTIMEO) == pytest.approx(0.3)
+        assert connection._sock.gettimeout() == 0.3
         server.pause()
         try:
             started = time.monotonic()
@@ -171,23 +158,55 @@ def test_a_plain_sockets_timeout_is_kept_by_the_kernel() -> None:
                 endpoint.call("GET", "a")
             assert 0.25 <= time.monotonic() - started < 2.0
             assert connection._sock is None  # dropped, not kept with a reply owed
+            server.resume()
+            assert endpoint.call("PING") == b"PONG"  # connected again (the handshake reads)
+            server.pause()
+            # More than the socket buffers hold: written in part, then sendall times out.
+            started = time.monotonic()
+            with pytest.raises(TimeoutError, match="writing"):
+                endpoint.call("SET", "big", b"x" * 64_000_000)
+            assert time.monotonic() - started < 2.0
         finally:
             server.resume()
         assert endpoint.call("SET", "b", "2") == b"OK"
         assert endpoint.call("GET", "a") == b"1"
+        assert endpoint.call("EXISTS", "big") == 0
     finally:
         server.close()
 
 
-def test_a_timeout_below_a_microsecond_is_not_infinite(
-    socket_pair: tuple[socket.socket, socket.socket],
-) -> None:
-    ours, _theirs = socket_pair
-    ours.settimeout(1e-9)  # SO_RCVTIMEO 0 would mean "wait forever"
-    _kernel_timeouts(ours)
-    assert _kernel_timeout(ours, socket.SO_RCVTIMEO) > 0
-    with pytest.raises(TimeoutError):
-        read_replies(ours, 1)
+def test_signals_during_a_wait_do_not_stretch_the_timeout() -> None:
+    """A signal handler that returns makes CPython retry the read: the deadline must hold.
+
+    (A kernel receive timeout restarts with every retry: with a no-op timer
+    signal every 0.3 s and a 1 s timeout, a frozen server made it wait forever.)
+    """
+    server = RedisServer()
+    started = time.monotonic()
+    signals: list[float] = []
+
+    def tick(_signum: int, _frame: object) -> None:
+        signals.append(time.monotonic())
+        if time.monotonic() - started > 8:
+            raise RuntimeError(f"still waiting after {len(signals)} signals")
+
+    previous = signal.signal(signal.SIGALRM, tick)
+    try:
+        store = LockStore(server.url_for(LOCK_DB), {"socket_timeout": 1.0, "retry": NO_RETRY})
+        endpoint = _endpoint(store)
+        assert endpoint.call("PING") == b"PONG"
+        server.pause()
+        signal.setitimer(signal.ITIMER_REAL, 0.3, 0.3)
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            endpoint.call("GET", "a")
+        assert time.monotonic() - started < 3.0
+        assert len(signals) >= 2  # the wait was interrupted, and still ended in time
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        server.resume()
+        server.close()
 
 
 class _Pool:
@@ -262,3 +281,14 @@ def test_a_message_arriving_with_the_subscribe_confirmation_is_kept(server: Redi
         stop.set()
         thread.join()
         publisher.close()
+
+
+def test_a_replica_wait_longer_than_the_socket_timeout_is_a_timeout(server: RedisServer) -> None:
+    """``WAIT`` is read by redis-py's reader on a connection the transport has used."""
+    from celery_redislock import LockBackendError
+
+    store = LockStore(server.url_for(LOCK_DB), {"socket_timeout": 0.5, "retry": NO_RETRY})
+    assert store.acquire("warm", "v", 10_000).acquired  # the connection went through ours
+    with pytest.raises(LockBackendError) as raised:
+        store.acquire("k", "v1", 10_000, min_replicas=1, replicas_timeout=2.0)
+    assert isinstance(raised.value.__cause__, TimeoutError), raised.value.__cause__

@@ -221,3 +221,33 @@ def test_a_base_with_its_own_call_is_still_called_under_the_lock(
         other = locked.delay(2)
         assert other.get(timeout=20) == [other.id, depth, [2]]
     assert held_locks(lock_client) == []
+
+
+def test_a_task_call_wrapper_installed_before_the_task_exists_still_runs(
+    app: Celery, record: redis.Redis, lock_client: redis.Redis
+) -> None:
+    """An instrumentation hook that wraps Celery's ``Task.__call__`` at start-up (APM agents)."""
+    import functools
+
+    from celery import Task
+
+    original = Task.__call__
+
+    @functools.wraps(original)
+    def instrumented(self: Any, *args: Any, **kwargs: Any) -> Any:
+        record.rpush("wrapped", self.name)
+        return original(self, *args, **kwargs)
+
+    Task.__call__ = instrumented  # type: ignore[method-assign]
+    try:
+
+        @app.task(base=SingletonTask, bind=True, shared=False)
+        def job(self: Any, n: int) -> bool:
+            return lock_client.exists(self.lock.key) == 1
+
+        with embedded_worker(app, "solo"):
+            assert job.delay(1).get(timeout=20) is True
+    finally:
+        Task.__call__ = original  # type: ignore[method-assign]
+    assert record.lrange("wrapped", 0, -1) == [job.name]
+    assert held_locks(lock_client) == []

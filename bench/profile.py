@@ -1,6 +1,8 @@
 """Where a locked task's worker time goes: CPU, system calls and context switches per task.
 
     python -m bench.profile [--tasks 3000] [--reps 3] [--strace] [--out DIR]
+    py-spy record -r 2000 -f raw -o spy.txt -- python -m bench.profile --tracer-only --tasks 40000
+    python -m bench.profile --samples spy.txt      # where the locked task's own time goes
 
 A plain no-op task against the same task with ``base=SingletonTask``, side by
 side in one run:
@@ -86,6 +88,31 @@ def tracer_cpu(tasks: int, reps: int) -> dict[str, list[float]]:
         return out
     finally:
         server.close()
+
+
+def summarize_samples(path: Path, root: str = "SingletonTaskMixin.__call__", top: int = 30) -> str:
+    """Self time per function under ``root`` in py-spy's raw (collapsed) samples, as Markdown.
+
+    ``root`` is the locked task's ``__call__``: the lock's own work and the
+    (no-op) body, without Celery's tracer around them.
+    """
+    own: dict[str, int] = {}
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = stack.split(";")
+        starts = [i for i, frame in enumerate(frames) if frame.startswith(root)]
+        if not starts:
+            continue
+        total += int(count)
+        name, _, where = frames[-1].partition(" (")
+        function = f"{name} ({where.split(':')[0].rsplit('/', 1)[-1]}"
+        own[function + ")"] = own.get(function + ")", 0) + int(count)
+    lines = [f"{total} samples under `{root}`; self time per function:", ""]
+    lines += ["| share | function |", "|---|---|"]
+    for function, count in sorted(own.items(), key=lambda item: -item[1])[:top]:
+        lines.append(f"| {100 * count / total:.1f} % | `{function}` |")
+    return "\n".join(lines)
 
 
 def tree_counters(pid: int) -> dict[str, float]:
@@ -198,8 +225,21 @@ def main() -> int:
     parser.add_argument("--tasks", type=int, default=3000)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--strace", action="store_true", help="also count system calls per task")
+    parser.add_argument(
+        "--samples",
+        metavar="FILE",
+        help="summarize py-spy's raw samples of a --tracer-only run, then stop",
+    )
+    parser.add_argument(
+        "--tracer-only",
+        action="store_true",
+        help="only the one-thread tracer loop (to run under a sampling profiler such as py-spy)",
+    )
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "profile"))
     args = parser.parse_args()
+    if args.samples:
+        print(summarize_samples(Path(args.samples)))
+        return 0
     # Each worker section reloads bench.tasks for its own servers; Celery warns
     # of the re-registered names when it finalizes, outside any block.
     from celery.exceptions import DuplicateTaskNameWarning
@@ -222,6 +262,8 @@ def main() -> int:
     lines += [f"| plain | {_median(cpu['plain'])} | |"]
     lines += [f"| SingletonTask | {_median(cpu['redislock'])} | {_median(added)} |", ""]
     print("\n".join(lines), flush=True)
+    if args.tracer_only:
+        return 0
 
     metrics = (
         ("tasks/s", "rate", 1.0),

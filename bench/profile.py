@@ -8,8 +8,9 @@ A plain no-op task against the same task with ``base=SingletonTask``, side by
 side in one run:
 
 1. **In one thread, through Celery's tracer** (what a worker calls per
-   task), client CPU with ``process_time``: what the lock adds with no
-   worker, broker or other thread around it.
+   task, with the worker's start-up optimizations installed), client CPU
+   with ``process_time``: what the lock adds with no worker, broker or
+   other thread around it.
 2. **In a real ``celery worker``** (``threads -c 4`` and ``prefork -c 2``),
    read from ``/proc`` for the worker's whole process tree: user and system
    CPU, context switches (voluntary and involuntary, every thread), and the
@@ -47,13 +48,17 @@ CONTENDERS = ("plain", "redislock")
 def tracer_cpu(tasks: int, reps: int) -> dict[str, list[float]]:
     """Client CPU (µs) per task through Celery's tracer, one thread, plain vs locked."""
     from celery import Celery
-    from celery.app.trace import build_tracer
+    from celery.app.trace import (
+        build_tracer,
+        reset_worker_optimizations,
+        setup_worker_optimizations,
+    )
 
     from celery_redislock import SingletonTask
 
     server = RedisServer()
+    app = Celery("profile", broker="memory://", backend=None)
     try:
-        app = Celery("profile", broker="memory://", backend=None)
         app.conf.update(redislock_url=f"{server.url}/0", task_ignore_result=True)
 
         @app.task(name="profile.plain")
@@ -64,7 +69,9 @@ def tracer_cpu(tasks: int, reps: int) -> dict[str, list[float]]:
         def redislock(n: int) -> None:
             return None
 
-        app.finalize()
+        # What `celery worker` does at start: among others, it replaces
+        # Task.__call__ with one that runs the body directly under the tracer.
+        setup_worker_optimizations(app, "profile@localhost")
         tracers = {
             name: build_tracer(task.name, task, app=app, eager=False, propagate=True)
             for name, task in (("plain", plain), ("redislock", redislock))
@@ -87,6 +94,7 @@ def tracer_cpu(tasks: int, reps: int) -> dict[str, list[float]]:
                 out[name].append(run(name, tasks, (rep + 1) * 10_000_000))
         return out
     finally:
+        reset_worker_optimizations(app)
         server.close()
 
 

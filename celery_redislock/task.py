@@ -26,12 +26,9 @@ no lock; ``task.apply()`` and ``task_always_eager`` do lock.
 from __future__ import annotations
 
 import inspect
-import os
-import types
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import celery.app.task
 from celery import Task
 from celery.exceptions import Retry as CeleryRetry
 
@@ -95,31 +92,6 @@ def _run_signature(cls: type) -> inspect.Signature | None:
         return inspect.signature(attribute.__func__)
     signature = inspect.signature(attribute)
     return signature.replace(parameters=list(signature.parameters.values())[1:])
-
-
-def _next_call(cls: type) -> Any:
-    """The ``__call__`` that ``super().__call__`` in :class:`SingletonTaskMixin` reaches."""
-    mro = cls.__mro__
-    for klass in mro[mro.index(SingletonTaskMixin) + 1 :]:
-        if "__call__" in vars(klass):
-            return vars(klass)["__call__"]
-    return None
-
-
-def _is_celerys_own_call(function: Any) -> bool:
-    """Whether ``function`` is Celery's own ``Task.__call__``, not a wrapper of it.
-
-    Checked by its code, not by identity with ``Task.__call__``: an
-    instrumentation hook (an APM agent) may have replaced that before any
-    task class existed, and its wrapper must still run. A ``functools.wraps``
-    wrapper has code of its own; a ``wrapt`` proxy is not a plain function.
-    """
-    if type(function) is not types.FunctionType:
-        return False
-    code = function.__code__
-    return code.co_name == "__call__" and (
-        os.path.splitext(code.co_filename)[0] == os.path.splitext(celery.app.task.__file__)[0]
-    )
 
 
 class SingletonTaskMixin(_TaskBase):
@@ -200,15 +172,6 @@ class SingletonTaskMixin(_TaskBase):
     # instance serves every thread of the threads pool at once.
     _redislock_held: ExecutionStack[Execution] = ExecutionStack()
     _redislock_settings: tuple[AppSettings, TaskSettings] | None = None
-    #: The ``__call__`` that ``super().__call__`` reaches. When it is Celery's
-    #: own ``Task.__call__`` (by its code, and still in place at call time: a
-    #: hook may wrap it before or after the class exists), which only pushes
-    #: the task and a copy of the request that Celery's tracer has already
-    #: pushed, the body is run directly, as Celery runs a task without a
-    #: ``__call__`` of its own (measured: 28 µs of the lock's 215 µs per
-    #: task, one thread). A base's or a hook's ``__call__`` is still called.
-    _redislock_next_call: Any = None
-    _redislock_run_directly: bool = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -216,8 +179,6 @@ class SingletonTaskMixin(_TaskBase):
         cls._redislock_signature = signature = _run_signature(cls)
         cls._redislock_plain_names = None if signature is None else plain_parameter_names(signature)
         cls._redislock_held = ExecutionStack()
-        cls._redislock_next_call = _next_call(cls)
-        cls._redislock_run_directly = _is_celerys_own_call(cls._redislock_next_call)
         validate_task_options(cls, where)
         if cls.lock_args is not None and cls._redislock_signature is not None:
             validate_lock_args(cls._redislock_signature, cls.lock_args, where)
@@ -327,11 +288,7 @@ class SingletonTaskMixin(_TaskBase):
             if decision is not None:
                 return decision.result
             self._redislock_held.push(execution)
-            cls = type(self)
-            if cls._redislock_run_directly and cls._redislock_next_call is Task.__call__:
-                result = self.run(*args, **kwargs)
-            else:
-                result = super().__call__(*args, **kwargs)
+            result = super().__call__(*args, **kwargs)
             execution.succeeded()
             return result
         except CeleryRetry as retry:

@@ -38,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.harness import worker  # noqa: E402
+from bench.harness import tree_counters, worker  # noqa: E402
 from bench.scenarios.overhead import _drain  # noqa: E402
 from tests.servers import RedisServer  # noqa: E402
 
@@ -121,33 +121,6 @@ def summarize_samples(path: Path, root: str = "SingletonTaskMixin.__call__", top
     for function, count in sorted(own.items(), key=lambda item: -item[1])[:top]:
         lines.append(f"| {100 * count / total:.1f} % | `{function}` |")
     return "\n".join(lines)
-
-
-def tree_counters(pid: int) -> dict[str, float]:
-    """CPU seconds (user, system), context switches, and the parent's own CPU, of a process tree."""
-    tick = os.sysconf("SC_CLK_TCK")
-    totals = {"user": 0.0, "system": 0.0, "switches": 0.0, "parent": 0.0}
-    pending = [pid]
-    while pending:
-        current = pending.pop()
-        try:
-            with open(f"/proc/{current}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-            # fields[11..14]: utime, stime, cutime, cstime (stat(5) fields 14-17)
-            totals["user"] += (int(fields[11]) + int(fields[13])) / tick
-            totals["system"] += (int(fields[12]) + int(fields[14])) / tick
-            if current == pid:
-                totals["parent"] = (int(fields[11]) + int(fields[12])) / tick
-            for thread in os.listdir(f"/proc/{current}/task"):
-                with open(f"/proc/{current}/task/{thread}/status") as status:
-                    for line in status:
-                        if "ctxt_switches" in line:  # voluntary and nonvoluntary
-                            totals["switches"] += int(line.split()[1])
-                with open(f"/proc/{current}/task/{thread}/children") as children:
-                    pending.extend(int(child) for child in children.read().split())
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-    return totals
 
 
 @contextmanager

@@ -8,7 +8,7 @@ from typing import Any
 
 import redis
 
-from bench.harness import count_round_trips, reset_peer_globals, worker
+from bench.harness import count_round_trips, reset_peer_globals, tree_counters, worker
 from bench.report import Report
 from tests.servers import RedisServer, wait_until
 
@@ -104,19 +104,5 @@ def worker_cpu(pid: int) -> float:
     Read from ``/proc``; a pool child that exited is counted in its
     parent's ``cutime``/``cstime`` once reaped.
     """
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    pending = [pid]
-    while pending:
-        current = pending.pop()
-        try:
-            with open(f"/proc/{current}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-            # fields[11..14]: utime, stime, cutime, cstime (stat(5) fields 14-17)
-            total += sum(int(value) for value in fields[11:15]) / tick
-            for task in os.listdir(f"/proc/{current}/task"):
-                with open(f"/proc/{current}/task/{task}/children") as children:
-                    pending.extend(int(child) for child in children.read().split())
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-    return total
+    counters = tree_counters(pid)
+    return counters["user"] + counters["system"]

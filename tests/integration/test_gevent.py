@@ -14,6 +14,21 @@ from tests.servers import ROOT, RedisServer
 
 pytest.importorskip("gevent")
 
+
+def _run(script: str, *argv: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` in a fresh interpreter (its own monkey-patching); it must exit 0."""
+    out = subprocess.run(
+        [sys.executable, "-c", script, *argv],
+        capture_output=True,
+        text=True,
+        cwd=str(ROOT),
+        timeout=timeout,
+        check=False,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out
+
+
 SCRIPT = textwrap.dedent(
     """
     from gevent import monkey
@@ -39,15 +54,7 @@ SCRIPT = textwrap.dedent(
 
 
 def test_renewer_runs_while_a_greenlet_hogs_the_cpu(server: RedisServer) -> None:
-    out = subprocess.run(
-        [sys.executable, "-c", SCRIPT, server.url_for(LOCK_DB)],
-        capture_output=True,
-        text=True,
-        cwd=str(ROOT),
-        timeout=60,
-        check=False,
-    )
-    assert out.returncode == 0, out.stderr
+    out = _run(SCRIPT, server.url_for(LOCK_DB))
     renewals, lost, exists = out.stdout.split()
     assert int(renewals) >= 5
     assert (lost, exists) == ("False", "1")
@@ -97,15 +104,7 @@ GREENLETS = textwrap.dedent(
 
 
 def test_greenlets_and_the_native_renewer_never_share_a_connection(server: RedisServer) -> None:
-    out = subprocess.run(
-        [sys.executable, "-c", GREENLETS, server.url_for(LOCK_DB)],
-        capture_output=True,
-        text=True,
-        cwd=str(ROOT),
-        timeout=120,
-        check=False,
-    )
-    assert out.returncode == 0, out.stderr
+    out = _run(GREENLETS, server.url_for(LOCK_DB), timeout=120)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     print(f"\n[measured] gevent 50 greenlets x 20 cycles: {result['released']} releases")
     assert result["released"] == 1000
@@ -153,14 +152,7 @@ PRELOADED = textwrap.dedent(
 
 def test_a_take_back_under_gevent_never_blocks_the_hub(server: RedisServer) -> None:
     """The package imported before monkey-patching (gunicorn --preload -k gevent)."""
-    done = subprocess.run(
-        [sys.executable, "-c", PRELOADED, server.url_for(LOCK_DB)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
+    _run(PRELOADED, server.url_for(LOCK_DB))  # exits 0: the take-back never blocked the hub
 
 
 REENTRANT_PRELOADED = textwrap.dedent(
@@ -196,15 +188,7 @@ REENTRANT_PRELOADED = textwrap.dedent(
 def test_a_reentrant_lock_is_owned_per_greenlet_whatever_the_import_order(
     server: RedisServer,
 ) -> None:
-    out = subprocess.run(
-        [sys.executable, "-c", REENTRANT_PRELOADED, server.url_for(LOCK_DB)],
-        capture_output=True,
-        text=True,
-        cwd=str(ROOT),
-        timeout=60,
-        check=False,
-    )
-    assert out.returncode == 0, out.stderr
+    out = _run(REENTRANT_PRELOADED, server.url_for(LOCK_DB))
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result == {"overlaps": [False] * 3, "depths": [1] * 3, "left": 0}
 
@@ -245,15 +229,7 @@ TIMEOUT = textwrap.dedent(
 @pytest.mark.parametrize("order", ["patch-first", "import-first"])
 def test_a_green_socket_keeps_its_timeout_in_the_hub(server: RedisServer, order: str) -> None:
     """gevent's sockets wait in the hub: their timeout is never moved into the kernel."""
-    out = subprocess.run(
-        [sys.executable, "-c", TIMEOUT, server.url_for(LOCK_DB), order],
-        capture_output=True,
-        text=True,
-        cwd=str(ROOT),
-        timeout=60,
-        check=False,
-    )
-    assert out.returncode == 0, out.stderr
+    out = _run(TIMEOUT, server.url_for(LOCK_DB), order)
     kept, outcome, seconds = out.stdout.strip().splitlines()[-1].rsplit(" ", 2)
     assert (kept, outcome) == ("0.3", "timed-out")
     assert float(seconds) < 1.5

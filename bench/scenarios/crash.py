@@ -91,36 +91,23 @@ def crash_recovery(
 def _add(
     report: Report, scenario: str, contender: str, kill: str, outcome: Outcome, cap: float
 ) -> None:
-    missing = f"no duplicate within {cap:g}s"
-    if kill != RESTARTED:
-        seconds = outcome.after_kill
+    def seconds(metric: str, value: float | None, note: str = "") -> None:
+        missing = f"no duplicate within {cap:g}s"
+        found = value is not None
         report.add(
             scenario,
             contender,
-            f"{kill} SIGKILL",
+            metric,
             "s",
-            seconds if seconds is not None else float("inf"),
-            note="" if seconds is not None else missing,
+            value if value is not None else float("inf"),
+            note=note if found else missing,
         )
+
+    if kill != RESTARTED:
+        seconds(f"{kill} SIGKILL", outcome.after_kill)
         return
-    ready = outcome.after_ready
-    report.add(
-        scenario,
-        contender,
-        f"{RESTARTED}: ready → duplicate",
-        "s",
-        ready if ready is not None else float("inf"),
-        note="start-up recovery" if ready is not None else missing,
-    )
-    killed = outcome.after_kill
-    report.add(
-        scenario,
-        contender,
-        f"{RESTARTED}: kill → duplicate",
-        "s",
-        killed if killed is not None else float("inf"),
-        note="includes the worker's own start" if killed is not None else missing,
-    )
+    seconds(f"{RESTARTED}: ready → duplicate", outcome.after_ready, "start-up recovery")
+    seconds(f"{RESTARTED}: kill → duplicate", outcome.after_kill, "includes the worker's own start")
 
 
 def _crash_once(

@@ -14,6 +14,7 @@ import asyncio
 import socket
 import time
 from collections.abc import Callable
+from typing import Any
 
 import redis.asyncio
 
@@ -25,25 +26,25 @@ from celery_redislock.store import LockStore
 from tests.servers import RedisServer
 
 
+def _cycle(prefix: str, make_lock: Callable[[str], Any]) -> Callable[[int], None]:
+    """One uncontended cycle (acquire, release) of the lock ``make_lock`` builds on ``prefix:i``."""
+
+    def cycle(i: int) -> None:
+        lock = make_lock(f"{prefix}:{i}")
+        lock.acquire(blocking=False)
+        lock.release()
+
+    return cycle
+
+
 def lock_cycle(report: Report, rounds: int, seconds: float, distinct: int = 20_000) -> None:
     server = RedisServer()
     client = server.client()
     available = peers_available()
 
-    def ours(i: int) -> None:
-        lock = RedisLock(client, f"cycle:{i}", ttl=30)
-        lock.acquire(blocking=False)
-        lock.release()
-
-    def redis_py(i: int) -> None:
-        lock = client.lock(f"cycle:{i}", timeout=30)
-        lock.acquire(blocking=False)
-        lock.release()
-
-    def ours_reentrant(i: int) -> None:
-        lock = RedisLock(client, f"cycle:{i}", ttl=30, reentrant=True)
-        lock.acquire(blocking=False)
-        lock.release()
+    ours = _cycle("cycle", lambda key: RedisLock(client, key, ttl=30))
+    redis_py = _cycle("cycle", lambda key: client.lock(key, timeout=30))
+    ours_reentrant = _cycle("cycle", lambda key: RedisLock(client, key, ttl=30, reentrant=True))
 
     def ours_reentrant_nested(i: int) -> None:
         # Depth 2: the nested acquire is one round trip (it confirms and
@@ -80,21 +81,15 @@ def lock_cycle(report: Report, rounds: int, seconds: float, distinct: int = 20_0
     if available["redis_lock"]:
         import redis_lock
 
-        def python_redis_lock(i: int) -> None:
-            lock = redis_lock.Lock(client, f"cycle:{i}", expire=30)
-            lock.acquire(blocking=False)
-            lock.release()
-
-        cycles["python-redis-lock"] = python_redis_lock
+        cycles["python-redis-lock"] = _cycle(
+            "cycle", lambda key: redis_lock.Lock(client, key, expire=30)
+        )
     if available["pottery"]:
         from pottery import Redlock
 
-        def pottery_redlock(i: int) -> None:
-            lock = Redlock(key=f"cycle:{i}", masters={client}, auto_release_time=30)
-            lock.acquire(blocking=False)
-            lock.release()
-
-        cycles["pottery Redlock (1 master)"] = pottery_redlock
+        cycles["pottery Redlock (1 master)"] = _cycle(
+            "cycle", lambda key: Redlock(key=key, masters={client}, auto_release_time=30)
+        )
     scenario = "2. lock cycle (acquire+release, one process)"
     bare = _BareSocket(server.port)
     try:
@@ -157,20 +152,9 @@ def _left_behind(
     # The pre-issue-13 behaviour, for comparison: a counter kept 1 h per key.
     kept_counters = LockStore(client=client, fence_ttl=3600)
 
-    def kept(i: int) -> None:
-        lock = RedisLock(client, f"distinct:{i}", ttl=30, store=kept_counters)
-        lock.acquire(blocking=False)
-        lock.release()
-
-    def ours(i: int) -> None:
-        lock = RedisLock(client, f"distinct:{i}", ttl=30)
-        lock.acquire(blocking=False)
-        lock.release()
-
-    def redis_py(i: int) -> None:
-        lock = client.lock(f"distinct:{i}", timeout=30)
-        lock.acquire(blocking=False)
-        lock.release()
+    kept = _cycle("distinct", lambda key: RedisLock(client, key, ttl=30, store=kept_counters))
+    ours = _cycle("distinct", lambda key: RedisLock(client, key, ttl=30))
+    redis_py = _cycle("distinct", lambda key: client.lock(key, timeout=30))
 
     cycles = {
         "redis-py Lock": redis_py,

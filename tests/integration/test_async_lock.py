@@ -212,8 +212,14 @@ def test_cancelled_between_sending_the_acquire_and_its_reply(
         busy = server_busy(server, 1.5)
         await asyncio.to_thread(busy.__enter__)
         try:
+            idle_before = len(store.commands.idle_connections())
             acquiring = asyncio.create_task(AsyncRedisLock(client, "a:cancel").acquire())
-            await asyncio.sleep(0.2)  # sent; its reply waits behind DEBUG SLEEP
+            # It took a warm connection and wrote in the same step (no await
+            # suspends before its read): sent; the reply waits behind DEBUG SLEEP.
+            await until(
+                lambda: len(store.commands.idle_connections()) < idle_before,
+                what="the acquire on its connection",
+            )
             assert not acquiring.done()
             acquiring.cancel()
             with pytest.raises(asyncio.CancelledError):

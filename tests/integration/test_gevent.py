@@ -214,7 +214,16 @@ TIMEOUT = textwrap.dedent(
     host, port = connection.host, connection.port
     sleeper = socket.create_connection((host, port))
     sleeper.sendall(b"DEBUG SLEEP 2\\r\\n")
-    time.sleep(0.2)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:  # until the server stops answering: it sleeps
+        probe = socket.create_connection((host, port), timeout=0.05)
+        try:
+            probe.sendall(b"PING\\r\\n")
+            probe.recv(16)
+        except socket.timeout:
+            break
+        finally:
+            probe.close()
     started = time.monotonic()
     try:
         endpoint.call("PING")

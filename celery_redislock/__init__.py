@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from importlib import metadata as _metadata
 
-import celery_redislock.startup  # noqa: F401  (connects the worker start check)
+import celery_redislock.startup
+import celery_redislock.sweeper  # noqa: F401  (connects the worker's sweep)
 from celery_redislock.aiolock import AsyncRedisLock
 from celery_redislock.exceptions import (
     AlreadyQueued,

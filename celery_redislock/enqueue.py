@@ -19,13 +19,16 @@ from celery.utils import uuid
 
 from celery_redislock import signals
 from celery_redislock.exceptions import AlreadyQueued, LockBackendError
+from celery_redislock.handoff import pack_signature
 from celery_redislock.headers import (
     DEBOUNCE_HEADER,
+    HANDOFF_HEADER,
     QUEUED_TOKEN_HEADER,
     UNSETTLED_HEADER,
     seconds_until,
 )
 from celery_redislock.keys import queued_key
+from celery_redislock.pending import Member, PendingIndex
 from celery_redislock.store import AcquireResult
 from celery_redislock.takeback import take_back_value
 from celery_redislock.tokens import LockValue
@@ -76,17 +79,36 @@ def publish_once(
     key = task._key(settings, *received)
     if settings.debounce:
         return _publish_debounced(task, settings, publish, key, args, kwargs, options)
+    task_id = options.pop("task_id", None) or uuid()
+    token = LockValue.queued(task_id, task.name).encode()
+    delay = seconds_until(options.get("eta") or options.get("countdown"))
+    ttl = settings.enqueue_ttl + delay
+    headers = {**(options.pop("headers", None) or {}), QUEUED_TOKEN_HEADER: token}
+    lock_key = key
     if settings.coalesce:
         # Held only until the run starts: the worker frees this key in the
         # round trip that grants it the lock, so a later call publishes the
         # next run instead of joining one that may have read stale data.
-        key = queued_key(key)
-    task_id = options.pop("task_id", None) or uuid()
-    token = LockValue.queued(task_id, task.name).encode()
-    ttl = settings.enqueue_ttl + seconds_until(options.get("eta") or options.get("countdown"))
-    headers = {**(options.pop("headers", None) or {}), QUEUED_TOKEN_HEADER: token}
+        key = queued_key(lock_key)
     try:
-        result = settings.backend.acquire(key, token, max(int(ttl * 1000), 1))
+        if settings.coalesce:
+            result = _queue_run(
+                task,
+                settings,
+                lock_key,
+                task_id,
+                token,
+                ttl,
+                delay,
+                args,
+                kwargs,
+                {
+                    **options,
+                    "headers": headers,
+                },
+            )
+        else:
+            result = settings.backend.acquire(key, token, max(int(ttl * 1000), 1))
     except LockBackendError as exc:
         # Never drop the task: publish it. The acquire may have run after
         # all (a late reply), so the message lists its token as one to
@@ -115,6 +137,66 @@ def publish_once(
         raise
 
 
+def stored_message(
+    task: SingletonTaskMixin,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    task_id: str,
+    options: dict[str, Any],
+    headers: dict[str, Any],
+) -> tuple[str, bytes]:
+    """The hand-off value of a new call, and its message as the lock store keeps it.
+
+    A worker's sweep publishes the message if the call has not started a
+    while after it was due (its worker died holding it): same task id and
+    arguments, no countdown (it is overdue), the call's hand-off value in
+    its headers (which copy ran is marked by it), ``retries`` set so that
+    publishing it never goes through enqueue-time dedup again.
+    """
+    handoff = LockValue.parked(task_id, 0, task.name).encode()
+    kept = {name: value for name, value in options.items() if name not in _NOT_KEPT}
+    signature = task.signature(
+        args,
+        kwargs,
+        task_id=task_id,
+        retries=0,
+        headers={**headers, HANDOFF_HEADER: handoff},
+        **kept,
+    )
+    return handoff, pack_signature(signature, options.get("serializer") or task.serializer)
+
+
+#: Options a stored message leaves out: it is published once it is overdue.
+_NOT_KEPT = ("countdown", "eta", "headers", "task_id", "retries")
+
+
+def _queue_run(
+    task: SingletonTaskMixin,
+    settings: TaskSettings,
+    key: str,
+    task_id: str,
+    token: str,
+    ttl: float,
+    delay: float,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    options: dict[str, Any],
+) -> AcquireResult:
+    """Take ``key``'s queued key for a coalesced run and keep its message (one round trip)."""
+    handoff, message = stored_message(task, args, kwargs, task_id, options, options["headers"])
+    pending = PendingIndex(settings.backend, settings.app.key_prefix)
+    queued, holder, remaining = pending.queue_run(
+        key,
+        token,
+        max(int(ttl * 1000), 1),
+        handoff,
+        message,
+        int((delay + settings.ttl) * 1000),
+        task_id,
+    )
+    return AcquireResult(queued, holder, remaining)
+
+
 def _publish_debounced(
     task: SingletonTaskMixin,
     settings: TaskSettings,
@@ -134,12 +216,27 @@ def _publish_debounced(
     new burst, so the last call is always followed by a run.
     """
     task_id = options.pop("task_id", None) or uuid()
+    window_ms = max(int(settings.debounce * 1000), 1)
+    grace_ms = max(int(settings.ttl * 1000), 1)
+    handoff, message = stored_message(
+        task,
+        args,
+        kwargs,
+        task_id,
+        options,
+        {**(options.get("headers") or {}), DEBOUNCE_HEADER: True},
+    )
+    pending = PendingIndex(settings.backend, settings.app.key_prefix)
     try:
         new, burst_id, due = settings.backend.debounce(
             key,
             task_id,
-            max(int(settings.debounce * 1000), 1),
+            window_ms,
             max(int(settings.debounce_max_wait * 1000), 1),
+            message,
+            handoff,
+            pending.touch_call(Member.debounced(key, task_id), window_ms + grace_ms),
+            grace_ms,
         )
     except LockBackendError as exc:
         # Never drop the call: publish it now, undebounced (the run-time

@@ -24,7 +24,7 @@ from celery_redislock import signals
 from celery_redislock._clock import clock
 from celery_redislock.abort import interrupter_for_current_thread
 from celery_redislock.exceptions import LockBackendError, LockContended, LockKeyError
-from celery_redislock.handoff import pack_message
+from celery_redislock.handoff import marker_ttl_ms, pack_message, pack_signature
 from celery_redislock.headers import (
     BACKEND_RETRIES_HEADER,
     DEBOUNCE_HEADER,
@@ -42,6 +42,7 @@ from celery_redislock.headers import (
 )
 from celery_redislock.keys import queued_key
 from celery_redislock.lease import LockHandle
+from celery_redislock.pending import Member, PendingIndex
 from celery_redislock.policies import (
     LOCK_ACQUIRED,
     Contention,
@@ -55,6 +56,7 @@ from celery_redislock.policies import (
 from celery_redislock.store import AcquireResult
 from celery_redislock.takeback import take_back_value
 from celery_redislock.tokens import LockOwner, LockValue, new_nonce
+from celery_redislock.transport import ScriptCall
 
 if TYPE_CHECKING:
     from celery_redislock.settings import TaskSettings
@@ -206,6 +208,7 @@ class Execution:
                 self.adopt,
                 settings.limit,
                 LockOwner.task_prefix(self.request.id),
+                after=self._forget_queued_run(),
             )
             if parked.already_ran:
                 self.unsettled = False
@@ -236,6 +239,19 @@ class Execution:
         return result
 
     @functools.cached_property
+    def pending(self) -> PendingIndex:
+        """The app's pending calls (``pending.py``), for the runs that may park."""
+        return PendingIndex(self.settings.backend, self.settings.app.key_prefix)
+
+    def _forget_queued_run(self) -> ScriptCall | None:
+        """A coalesced run's member of the pending index goes once it starts or parks."""
+        if self.queued_slot is None:
+            return None
+        return self.pending.forget_queued_call(
+            self.key, self.request.id or "", self.queued_slot[1], self.parked_value
+        )
+
+    @functools.cached_property
     def parked_value(self) -> str:
         """This call's hand-off value: the same for every copy and re-send of it.
 
@@ -252,11 +268,7 @@ class Execution:
         Refreshed at every park; a ran marker must outlive the other copy of
         its execution (the woken message or the safety-net re-send).
         """
-        options = self.task.app.conf.broker_transport_options or {}
-        # An unacked safety-net copy on a Redis or SQS broker comes back after
-        # the visibility timeout when its worker dies: the marker must outlive it.
-        redelivery = float(options.get("visibility_timeout") or 3600)
-        return int((max(self.settings.enqueue_ttl, redelivery) + 2 * self.settings.ttl) * 1000)
+        return marker_ttl_ms(self.task.app.conf, self.settings.enqueue_ttl, self.settings.ttl)
 
     def _acquire_slot(self, wait: float | None) -> AcquireResult:
         """``lock_limit`` > 1: take any free slot of the key (waiting up to ``wait`` s)."""
@@ -436,7 +448,13 @@ class Execution:
     def _park_and_resend(
         self, handoff: str, message: bytes, countdown: float, exc: Exception, extra: dict[str, Any]
     ) -> Any:
-        """One round trip (grant, or park), then the safety-net re-send."""
+        """One round trip (grant, or park), then the safety-net re-send.
+
+        The park also asks the workers' sweep to look at the key (see
+        ``pending.py``): if the holder's worker dies, a sweep hands the call
+        the lock about a TTL later, whatever became of this worker and of
+        the safety-net copy it reserved.
+        """
         task, request, settings = self.task, self.request, self.settings
         parked = settings.backend.park(
             self.key,
@@ -450,6 +468,8 @@ class Execution:
             [*self.adopt, handoff],
             settings.limit,
             LockOwner.task_prefix(request.id),
+            touch=self.pending.touch_call(Member.parked(self.key, settings.limit), 0),
+            after=self._forget_queued_run(),
         )
         self.unsettled = parked.result.acquired
         if parked.already_ran:
@@ -457,6 +477,10 @@ class Execution:
         if parked.result.acquired:
             self._granted.append(parked.result)
             return LOCK_ACQUIRED
+        # The safety net is for a store that lost the queue: the release, or
+        # else a sweep, hands the lock over first (so calls run in the order
+        # they parked); one more TTL leaves the sweep that time.
+        countdown += settings.ttl
         logger.info(
             "%s[%s] parked behind lock %s; a release hands it over (safety net in %.1fs)",
             task.name,
@@ -469,7 +493,10 @@ class Execution:
     def _wait_for_debounce(self) -> None:
         """Re-send this debounced run if a later call of its burst moved its due time."""
         request = self.request
-        due = self.settings.backend.debounce_due(self.key, request.id or "")
+        task_id = request.id or ""
+        due = self.settings.backend.debounce_due(
+            self.key, task_id, after=self.pending.forget_debounced_call(self.key, task_id)
+        )
         if due > 0:
             logger.info(
                 "%s[%s] debounced: a later call moved its run %.3fs ahead",
@@ -729,5 +756,45 @@ def resend(
     try:
         signature.apply_async()
     except Exception as publish_error:
-        raise Reject(publish_error, requeue=False) from publish_error
+        keep_in_outbox(task, signature, countdown, publish_error)
     raise CeleryRetry(exc=exc, when=cast(Any, countdown), sig=signature)
+
+
+def keep_in_outbox(
+    task: SingletonTaskMixin, signature: Any, countdown: float, publish_error: Exception
+) -> None:
+    """The broker refused a re-send: keep it in the lock store for a worker's sweep.
+
+    The sweep publishes it when due, and again until the broker takes it, so
+    the call is not lost with this delivery (already acknowledged, unless
+    ``acks_late``). If the store fails too, an ``acks_late`` message is
+    rejected back to its queue; any other ends in FAILURE with both errors,
+    never silently.
+    """
+    request = task.request
+    settings = task._lock_settings()
+    options = {
+        name: value for name, value in signature.options.items() if name not in ("countdown", "eta")
+    }
+    message = pack_signature(
+        task.signature(signature.args, signature.kwargs, **options), task.serializer
+    )
+    try:
+        PendingIndex(settings.backend, settings.app.key_prefix).put_outbox(
+            f"{request.id}:{new_nonce()}", message, int(countdown * 1000)
+        )
+    except LockBackendError as store_error:
+        if task.acks_late:
+            raise Reject(publish_error, requeue=True) from publish_error
+        raise LockBackendError(
+            f"{task.name}[{request.id}] could not be re-sent (the broker refused it: "
+            f"{publish_error}) nor kept for a later re-send ({store_error})"
+        ) from publish_error
+    logger.warning(
+        "%s[%s]: the broker refused its re-send (%s); kept in the lock store, a worker's "
+        "sweep publishes it in %.1fs or as soon as the broker takes it",
+        task.name,
+        request.id,
+        publish_error,
+        countdown,
+    )

@@ -33,12 +33,23 @@ from typing import TYPE_CHECKING, Any
 from kombu.serialization import dumps as kombu_dumps
 from kombu.serialization import loads as kombu_loads
 
+from celery_redislock.headers import HANDOFF_COPY_HEADER
+from celery_redislock.tokens import new_nonce
+
 if TYPE_CHECKING:
     from celery import Celery
+    from celery.canvas import Signature
 
     from celery_redislock.task import SingletonTaskMixin
 
-__all__ = ["pack_message", "publisher", "unpack_message"]
+__all__ = [
+    "marker_ttl_ms",
+    "pack_message",
+    "pack_signature",
+    "publish_copy",
+    "publisher",
+    "unpack_message",
+]
 
 logger = logging.getLogger("celery_redislock.handoff")
 
@@ -51,12 +62,32 @@ def pack_message(task: SingletonTaskMixin, headers: dict[str, Any]) -> bytes:
     """
     request = task.request
     signature = task.signature_from_request(request, retries=request.retries or 0, headers=headers)
-    content_type, encoding, body = kombu_dumps(
-        dict(signature), serializer=task.serializer or "json"
-    )
+    return pack_signature(signature, task.serializer)
+
+
+def pack_signature(signature: Any, serializer: str | None) -> bytes:
+    """A signature as stored in the lock store: serialized, in ASCII JSON.
+
+    Its options should carry ``retries`` (0 for a first run), so that
+    publishing it again never goes through enqueue-time dedup.
+    """
+    content_type, encoding, body = kombu_dumps(dict(signature), serializer=serializer or "json")
     data = body if isinstance(body, bytes) else body.encode("utf-8")
     envelope = {"ct": content_type, "ce": encoding, "b": base64.b64encode(data).decode("ascii")}
     return json.dumps(envelope, separators=(",", ":")).encode("ascii")
+
+
+def marker_ttl_ms(conf: Any, enqueue_ttl: float, ttl: float) -> int:
+    """How long a call's queue entries and "ran" markers live, in ms.
+
+    A marker must outlive every other copy of its call: a copy reserved by a
+    worker that died comes back from a Redis or SQS broker after the
+    visibility timeout (an hour by default), and a queued run may wait
+    ``enqueue_ttl``.
+    """
+    options = conf.broker_transport_options or {}
+    redelivery = float(options.get("visibility_timeout") or 3600)
+    return int((max(enqueue_ttl, redelivery) + 2 * ttl) * 1000)
 
 
 def unpack_message(message: bytes) -> dict[str, Any]:
@@ -67,6 +98,22 @@ def unpack_message(message: bytes) -> dict[str, Any]:
     signature: dict[str, Any] = kombu_loads(
         body, content_type, envelope["ce"], accept={content_type}
     )
+    return signature
+
+
+def publish_copy(app: Celery, message: bytes, tag: str) -> Signature:
+    """Publish a copy of a stored message, with a copy tag of its own; return its signature.
+
+    Every copy of a parked (or queued, or debounced) call gets a fresh tag
+    (``<tag>:<nonce>``): the first copy granted the lock marks the call ran
+    with its tag, and a copy with another tag is then dropped. A copy
+    published twice with one tag would run twice.
+    """
+    signature = app.signature(unpack_message(message))
+    headers = dict(signature.options.get("headers") or {})
+    headers[HANDOFF_COPY_HEADER] = f"{tag}:{new_nonce()}"
+    signature.options["headers"] = headers
+    signature.apply_async()
     return signature
 
 
@@ -81,8 +128,7 @@ def publisher(app: Celery) -> Callable[[str, str, bytes], None]:
         current = app_ref()
         if current is None:
             raise RuntimeError("the Celery app of this lock store is gone")
-        signature = current.signature(unpack_message(message))
-        signature.apply_async()
+        signature = publish_copy(current, message, "w")
         logger.debug(
             "lock %s handed to parked %s[%s]", key, signature.task, signature.options["task_id"]
         )

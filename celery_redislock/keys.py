@@ -45,6 +45,8 @@ __all__ = [
     "debounce_key",
     "fence_key",
     "handoff_keys",
+    "next_run_key",
+    "pending_keys",
     "plain_parameter_names",
     "queued_key",
     "release_channel",
@@ -329,7 +331,7 @@ def fence_key(key: str) -> str:
 #: Suffixes of the keys that hold parked executions (see :func:`handoff_keys`).
 HANDOFF_SUFFIXES = ("waiters", "parked", "ran", "parking")
 #: Suffixes of every key kept beside a lock that is not a lock itself.
-NOT_LOCK_SUFFIXES = ("fence", "debounce", *HANDOFF_SUFFIXES)
+NOT_LOCK_SUFFIXES = ("fence", "debounce", "next", "pending", *HANDOFF_SUFFIXES)
 
 
 def handoff_keys(key: str) -> tuple[str, str, str, str]:
@@ -346,6 +348,26 @@ def handoff_keys(key: str) -> tuple[str, str, str, str]:
     """
     stem = _companion_stem(key)
     return stem + "waiters", stem + "parked", stem + "ran", stem + "parking"
+
+
+def pending_keys(prefix: str) -> tuple[str, str]:
+    """Return the keys of the app's pending calls: the index and the outbox, one slot.
+
+    * ``<prefix>:pending``: a sorted set, member -> when (server ms) a
+      worker's sweep should look at it (see ``pending.py``);
+    * ``{<prefix>:pending}:outbox``: a hash, id -> a message to publish.
+    """
+    index = f"{prefix}:pending"
+    return index, _companion(index, "outbox")
+
+
+def next_run_key(key: str) -> str:
+    """Return the record of ``key``'s queued run (``lock_enqueue="until_start"``).
+
+    A hash: the run's queued token, hand-off value, message, and when a
+    worker's sweep should publish it again if it has not started.
+    """
+    return _companion(key, "next")
 
 
 def debounce_key(key: str) -> str:

@@ -28,6 +28,7 @@ __all__ = [
     "RELEASE_SLOTS_SCRIPT",
     "RENEW",
     "RENEW_SCRIPT",
+    "SETTLE_FENCE",
     "UNPARK",
     "UNPARK_SCRIPT",
 ]
@@ -96,6 +97,9 @@ if last then
 end
 """
 
+#: The fence-settling step for scripts in other modules (``pending.py``).
+SETTLE_FENCE = _SETTLE
+
 # Hands a freed key to the first parked call: the common end of RELEASE and
 # RELEASE_SLOTS. ``freed`` is the key just released, ``waiters``,
 # ``parked_hash`` and ``parking`` its hand-off keys, ``handoff_ttl`` the TTL
@@ -113,7 +117,9 @@ if redis.call('GET', parking) then
         end
         local message = redis.call('HGET', parked_hash, waiter)
         if message then
-            redis.call('HDEL', parked_hash, waiter)
+            -- The message stays until a copy of the call is granted: if
+            -- this hold expires unused (the woken message died with its
+            -- worker), a sweep hands the call a slot again (pending.py).
             redis.call('SET', freed, waiter, 'PX', handoff_ttl)
             handed = {waiter, message}
             break
@@ -182,13 +188,17 @@ return {1, fence}
 # ARGV[7] - how long the fence counter outlives the hold, in milliseconds
 #           (0: a freed key's counter goes with it unless it is still ahead
 #           of the server clock; see _SETTLE)
+# ARGV[8] - '1' when this is the retry of a release whose reply was lost
 # returns 1 if released or handed over (also when the key already holds
 #         ARGV[4]: a retried release whose first reply was lost), 0 if the
 #         key was already gone, -1 if another holder's value is there (it is
 #         left alone); {1, hand-off value, message} when, instead of
 #         deleting, it handed the lock to the first execution parked on the
 #         key (see PARK): the caller publishes that message. Entries of
-#         parked executions that already ran are dropped on the way.
+#         parked executions that already ran are dropped on the way. A
+#         retry that finds a parked call's hand-off value not yet taken up
+#         returns its message too: the lost reply was most likely that
+#         hand-over, whose message nobody has published.
 RELEASE_SCRIPT = (
     """
 local current = redis.call('GET', KEYS[1])
@@ -205,6 +215,12 @@ else
     ours = current == ARGV[1]
 end
 if not ours then
+    if ARGV[8] == '1' then
+        local message = redis.call('HGET', KEYS[3], current)
+        if message then
+            return {1, current, message}
+        end
+    end
     return -1
 end
 local counter_key, fence_ttl = KEYS[5], tonumber(ARGV[7])
@@ -274,7 +290,7 @@ end
 return result
 """
 
-# KEYS[1..n]   - the lock's slot keys (n = #KEYS - 7; n = 1: the lock key
+# KEYS[1..n]   - the lock's slot keys (n = #KEYS - 8; n = 1: the lock key
 #                itself; see keys.slot_keys for lock_limit)
 # KEYS[n+1]    - fence counter of the key, shared by its slots
 # KEYS[n+2..5] - its waiters list, parked hash, ran hash and parking flag
@@ -282,6 +298,7 @@ return result
 # KEYS[n+6]    - its queued key (keys.queued_key), for a coalesced run
 # KEYS[n+7]    - the queued key's fence counter (its producer took the
 #                queued key with ACQUIRE): deleted with the queued key
+# KEYS[n+8]    - the queued run's record (keys.next_run_key): deleted too
 # ARGV[1..3]   - value, its TTL in ms, how long the fence counter outlives
 #                the lock in ms (as ACQUIRE)
 # ARGV[4]      - this call's hand-off value (tokens.LockValue.parked; '' for
@@ -297,23 +314,31 @@ return result
 #                freed when the lock is granted, kept alive while parked
 # ARGV[9]      - "v1|<task id>|" when n > 1 (a slot held by the same task is
 #                contention, as ACQUIRE_SLOT), else ''
-# ARGV[10..]   - values to take over, as ACQUIRE's ARGV[4..n]
+# ARGV[10]     - time to live in ms of a slot handed to a parked call
+# ARGV[11..]   - values to take over, as ACQUIRE's ARGV[4..n]
 # returns {1, fence, slot} when granted (as ACQUIRE; a hand-off value that
-#         was parked or handed the lock is marked as ran by this copy and
-#         leaves the queue; one never parked leaves no mark); {0, holder
+#         was parked or handed the lock, or of which a sweep published a
+#         copy (marked '?' in the ran hash), is marked as ran by this copy
+#         and leaves the queue; one never parked leaves no mark); {0, holder
 #         value, holder PTTL, parked} when every slot is held by another
 #         (the holder whose slot frees first; parked = 1 once its hand-off
 #         value is queued, at most once); {2} when another copy of this
-#         call already ran (a redelivery of the granted copy is not refused).
+#         call already ran (a redelivery of the granted copy is not refused);
+#         {3, hand-off value, its hold in ms, message} when a copy of a
+#         parked call found a free slot while an earlier parked call waits:
+#         the slot is handed to that one (the caller publishes its message)
+#         and this call stays parked, so parked calls run in the order they
+#         parked, whichever copy finds the key free first.
 PARK_SCRIPT = (
     """
-local n = #KEYS - 7
+local n = #KEYS - 8
 local counter_key = KEYS[n + 1]
 local waiters, parked_hash, ran = KEYS[n + 2], KEYS[n + 3], KEYS[n + 4]
 local parking, queued = KEYS[n + 5], KEYS[n + 6]
+local copy
 if ARGV[4] ~= '' then
-    local copy = redis.call('HGET', ran, ARGV[4])
-    if copy and copy ~= ARGV[5] then
+    copy = redis.call('HGET', ran, ARGV[4])
+    if copy and copy ~= '?' and copy ~= ARGV[5] then
         return {2}
     end
 end
@@ -323,7 +348,7 @@ for i = 1, n do
     if value then
         local ours = value == ARGV[1] or value == ARGV[4]
         if not ours then
-            for j = 10, #ARGV do
+            for j = 11, #ARGV do
                 if value == ARGV[j] then
                     ours = true
                     break
@@ -355,6 +380,10 @@ if not slot and (same_task or not free) then
     if ARGV[6] ~= '' then
         if redis.call('HSETNX', parked_hash, ARGV[4], ARGV[6]) == 1 then
             redis.call('RPUSH', waiters, ARGV[4])
+        elseif not redis.call('LPOS', waiters, ARGV[4]) then
+            -- Handed a slot once, and the hold expired before any copy ran
+            -- (the woken message died): first in line again.
+            redis.call('LPUSH', waiters, ARGV[4])
         end
         -- Parking again (a copy that was let through: the granted copy
         -- redelivered) means the call is pending again: any copy may run it.
@@ -368,6 +397,27 @@ if not slot and (same_task or not free) then
         parked = 1
     end
     return {0, redis.call('GET', KEYS[blocker]), redis.call('PTTL', KEYS[blocker]), parked}
+end
+if not slot and ARGV[4] ~= '' and redis.call('HEXISTS', parked_hash, ARGV[4]) == 1 then
+    -- A copy of a parked call found a slot free (a safety net firing, a
+    -- sweep's copy): the call that parked first goes first.
+    local head
+    while true do
+        head = redis.call('LINDEX', waiters, 0)
+        if not head or head == ARGV[4] or redis.call('HEXISTS', parked_hash, head) == 1 then
+            break
+        end
+        redis.call('LPOP', waiters)
+    end
+    if head and head ~= ARGV[4] then
+        redis.call('LPOP', waiters)
+        redis.call('SET', KEYS[free], head, 'PX', ARGV[10])
+        local hold_ms, fence_ttl = tonumber(ARGV[10]), tonumber(ARGV[3])
+"""
+    + _SETTLE
+    + """
+        return {3, head, tonumber(ARGV[10]), redis.call('HGET', parked_hash, head)}
+    end
 end
 slot = slot or free
 local lock_key = KEYS[slot]
@@ -385,13 +435,13 @@ if ARGV[4] ~= '' then
     end
     -- A copy made by parking (tag other than the original's 'o') marks too:
     -- after a hand-over whose hold expired unused, nothing else says so.
-    if was_parked or handed or ARGV[5] ~= 'o' then
+    if was_parked or handed or ARGV[5] ~= 'o' or copy == '?' then
         redis.call('HSET', ran, ARGV[4], ARGV[5])
         redis.call('PEXPIRE', ran, ARGV[7])
     end
 end
 if ARGV[8] ~= '' and redis.call('GET', queued) == ARGV[8] then
-    redis.call('DEL', queued, KEYS[n + 7])
+    redis.call('DEL', queued, KEYS[n + 7], KEYS[n + 8])
 end
 return {1, fence, slot}
 """
@@ -459,6 +509,9 @@ return 0
 # ARGV[2] - window in ms (the run is due this long after the last call)
 # ARGV[3] - longest delay in ms from a burst's first call to its run
 # ARGV[4] - time to live in ms of the record
+# ARGV[5] - the run's message, kept for a worker's sweep to publish again if
+#           the run has not started a while after it is due ('' for none)
+# ARGV[6] - the run's hand-off value (which copy of it ran)
 # returns {1, ARGV[1], window} for a new burst (the caller publishes it with
 #         that countdown), {0, burst task id, ms until due} for a call that
 #         joins the burst in progress (it moves the due time, up to the cap)
@@ -475,6 +528,9 @@ end
 local due = now_ms + tonumber(ARGV[2])
 redis.call('HSET', KEYS[1], 'id', ARGV[1], 'first', string.format('%.0f', now_ms),
     'due', string.format('%.0f', due))
+if (ARGV[5] or '') ~= '' then
+    redis.call('HSET', KEYS[1], 'msg', ARGV[5], 'handoff', ARGV[6])
+end
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
 return {1, ARGV[1], tonumber(ARGV[2])}
 """

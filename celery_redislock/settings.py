@@ -480,6 +480,15 @@ SETTINGS: tuple[SettingSpec, ...] = (
         "restarts (`-n name@%h`).",
         validate_flag,
     ),
+    SettingSpec(
+        "redislock_sweep_interval",
+        None,
+        1.0,
+        "Seconds between a worker's sweeps of the pending calls (parked, coalesced and "
+        "debounced calls whose worker died, re-sends the broker refused): one `EVALSHA` "
+        "per worker per sweep when nothing is due. `0` turns sweeping off in this worker.",
+        validate_hold,
+    ),
 )
 
 #: The registry by app setting name.
@@ -609,6 +618,7 @@ class AppSettings:
     backend: LockStore = field(compare=False, repr=False)
     limit: int = 1
     recover_on_start: bool = True
+    sweep_interval: float = 1.0
 
 
 _CACHE: weakref.WeakKeyDictionary[Celery, AppSettings] = weakref.WeakKeyDictionary()
@@ -658,6 +668,7 @@ def _read(app: Celery) -> AppSettings:
         min_replicas_timeout=values["redislock_min_replicas_timeout"],
         limit=values["redislock_limit"],
         recover_on_start=values["redislock_recover_on_start"],
+        sweep_interval=values["redislock_sweep_interval"],
         backend=values["redislock_store_class"](
             url,
             dict(options),

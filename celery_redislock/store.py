@@ -55,6 +55,7 @@ from celery_redislock.keys import (
     debounce_key,
     fence_key,
     handoff_keys,
+    next_run_key,
     release_channel,
     slot_keys,
 )
@@ -65,10 +66,12 @@ from celery_redislock.transport import (
     ClusterTopology,
     Endpoint,
     Script,
+    ScriptCall,
     Subscription,
     Topology,
     connection_factory,
     pack_command,
+    scripts_exchange,
 )
 from celery_redislock.urls import mask_url
 
@@ -199,10 +202,23 @@ def release_call(
     keep_ms: int,
     handoff_ttl_ms: int,
     fence_ttl_ms: int = 0,
+    retry: bool = False,
 ) -> tuple[tuple[str, ...], tuple[Any, ...]]:
-    """KEYS and ARGV of ``RELEASE_SCRIPT``: one place for the sync and asyncio stores."""
+    """KEYS and ARGV of ``RELEASE_SCRIPT``: one place for the sync and asyncio stores.
+
+    ``retry``: the release is sent again after its reply was lost.
+    """
     waiters, parked, _, parking = handoff_keys(key)
-    args = (match, mode, release_channel(key), keep, max(keep_ms, 1), handoff_ttl_ms, fence_ttl_ms)
+    args = (
+        match,
+        mode,
+        release_channel(key),
+        keep,
+        max(keep_ms, 1),
+        handoff_ttl_ms,
+        fence_ttl_ms,
+        "1" if retry else "",
+    )
     return (key, waiters, parked, parking, fence_key(key)), args
 
 
@@ -539,6 +555,8 @@ class LockStore:
         adopt: Sequence[str] = (),
         limit: int = 1,
         task_prefix: str = "",
+        touch: ScriptCall | None = None,
+        after: ScriptCall | None = None,
     ) -> ParkResult:
         """Take the lock, or park behind its holder until a release hands it over.
 
@@ -563,13 +581,26 @@ class LockStore:
             limit: Slots of the key (``lock_limit``); the result's ``key``
                 is the slot taken.
             task_prefix: As :meth:`acquire_slot` (only with ``limit`` > 1).
+            touch: The pending index's touch for this key
+                (``PendingIndex.touch_call``), sent first in the same round
+                trip (two on a cluster): a parked call is then found by the
+                workers' sweep even if its holder's worker dies.
+            after: A script call sent right after the park, in the same
+                round trip (``PendingIndex.forget_queued_call``).
 
         Raises:
             LockBackendError: Redis is unreachable or refused the script.
         """
         queued_at, queued_value = queued or (queued_key_of(key), "")
         slots = slot_keys(key, limit)
-        keys = (*slots, fence_key(key), *handoff_keys(key), queued_at, fence_key(queued_at))
+        keys = (
+            *slots,
+            fence_key(key),
+            *handoff_keys(key),
+            queued_at,
+            fence_key(queued_at),
+            next_run_key(key),
+        )
         args = (
             value,
             ttl_ms,
@@ -580,17 +611,21 @@ class LockStore:
             park_ttl_ms,
             queued_value,
             task_prefix if limit > 1 else "",
+            self.handoff_ttl_ms,
             *adopt,
         )
         sent_at = clock()
         with self._errors("acquire", key):
-            reply = self.do_park(keys, args)
+            reply = self.do_park(keys, args, touch, after)
         status = int(reply[0])
         if status == 1:
             taken = slots[int(reply[2]) - 1]
             return ParkResult(AcquireResult(True, sent_at=sent_at, fence=int(reply[1]), key=taken))
         if status == 2:
             return ParkResult(AcquireResult(False, sent_at=sent_at), already_ran=True)
+        if status == 3:
+            # An earlier parked call goes first: this copy handed it the slot.
+            self._hand_off_reply(key, reply[:2] + reply[3:])
         pttl = int(reply[2])
         encoding = self._topology(_Kind.COMMANDS).endpoint_for(key).encoding
         return ParkResult(
@@ -600,7 +635,7 @@ class LockStore:
                 pttl / 1000.0 if pttl >= 0 else None,
                 sent_at=sent_at,
             ),
-            parked=bool(int(reply[3])),
+            parked=status == 3 or bool(int(reply[3])),
         )
 
     def withdraw(self, key: str, handoff: str, park_ttl_ms: int, limit: int = 1) -> None:
@@ -628,31 +663,53 @@ class LockStore:
             self._hand_off_reply(key, reply)
 
     def debounce(
-        self, key: str, task_id: str, window_ms: int, max_wait_ms: int
+        self,
+        key: str,
+        task_id: str,
+        window_ms: int,
+        max_wait_ms: int,
+        message: bytes = b"",
+        handoff: str = "",
+        touch: ScriptCall | None = None,
+        grace_ms: int = 0,
     ) -> tuple[bool, str, float]:
         """Record a call in ``key``'s debounce burst (one round trip).
+
+        A new burst keeps ``message`` (its run, with hand-off value
+        ``handoff``) for the workers' sweep, which publishes it again if the
+        run has not started ``grace_ms`` after it was due; ``touch``
+        (``PendingIndex.touch_call``) is sent first in the same round trip.
 
         Returns:
             ``(new burst, burst task id, seconds until the run is due)``.
         """
-        ttl_ms = max_wait_ms + window_ms + 60_000
+        ttl_ms = max_wait_ms + window_ms + grace_ms + 60_000
+        call = (
+            scripts.DEBOUNCE,
+            (debounce_key(key),),
+            (task_id, window_ms, max_wait_ms, ttl_ms, message, handoff),
+        )
         with self._errors("debounce", key):
-            reply = self.do_script(
-                scripts.DEBOUNCE, (debounce_key(key),), (task_id, window_ms, max_wait_ms, ttl_ms)
-            )
+            if touch is not None:
+                reply = self.run_scripts([touch, call])[1]
+            else:
+                reply = self.do_script(*call)
         encoding = self._topology(_Kind.COMMANDS).endpoint_for(key).encoding
         return bool(int(reply[0])), decode_text(reply[1], encoding), int(reply[2]) / 1000.0
 
-    def debounce_due(self, key: str, task_id: str, forget: bool = False) -> float:
+    def debounce_due(
+        self, key: str, task_id: str, forget: bool = False, after: ScriptCall | None = None
+    ) -> float:
         """Seconds until ``task_id``'s debounced run is due; 0 (or less): run now.
 
         At 0 the burst is over (its record deleted). ``forget`` deletes the
-        record of a burst whose message was never published.
+        record of a burst whose message was never published. ``after`` is
+        sent right after, in the same round trip
+        (``PendingIndex.forget_debounced_call``).
         """
+        call = (scripts.DEBOUNCE_DUE, (debounce_key(key),), (task_id, "1" if forget else ""))
         with self._errors("debounce", key):
-            reply = self.do_script(
-                scripts.DEBOUNCE_DUE, (debounce_key(key),), (task_id, "1" if forget else "")
-            )
+            reply = self._with_neighbours(call, None, after)
         return int(reply) / 1000.0
 
     def acquire_waiting(
@@ -1082,9 +1139,10 @@ class LockStore:
         Releases have connections of their own (short timeout, one retry), so
         a frozen Redis delays a finishing task by at most two short attempts;
         the TTL frees the key if both fail. If the first attempt's reply was
-        lost, the retry's "already gone" means it worked: reported as 1.
-        (A hand-off in a lost reply is not published: the parked
-        execution's re-sent copy runs at its countdown instead.)
+        lost, the retry's "already gone" means it worked: reported as 1;
+        and if it finds the key handed to a parked call that has not
+        started, the hand-over was most likely the lost reply's: its
+        message is returned, to be published.
         """
         keys, args = release_call(
             key, match, mode, keep, keep_ms, self.handoff_ttl_ms, self.fence_ttl_ms
@@ -1092,12 +1150,16 @@ class LockStore:
         attempts = 0
 
         def make(endpoint: Endpoint) -> Callable[[Any], Any]:
-            run_script = scripts.RELEASE.exchange(keys, args, endpoint.encoding)
+            first = scripts.RELEASE.exchange(keys, args, endpoint.encoding)
 
             def counted(connection: Any) -> Any:
                 nonlocal attempts
                 attempts += 1
-                return run_script(connection)
+                if attempts == 1:
+                    return first(connection)
+                # Packed only when needed: a retry is rare, the release hot.
+                retry_args = (*args[:-1], "1")
+                return scripts.RELEASE.exchange(keys, retry_args, endpoint.encoding)(connection)
 
             return counted
 
@@ -1112,11 +1174,51 @@ class LockStore:
             keys[0], lambda endpoint: script.exchange(keys, args, endpoint.encoding)
         )
 
-    def do_park(self, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        """Run ``PARK_SCRIPT``; return its raw reply."""
-        return self._topology(_Kind.COMMANDS).run_for_key(
-            keys[0], lambda endpoint: scripts.PARK.exchange(keys, args, endpoint.encoding)
-        )
+    def run_scripts(self, calls: Sequence[ScriptCall], short: bool = False) -> list[Any]:
+        """Run ``calls`` (script, keys, args) in order; return their replies.
+
+        One pipelined round trip when one server serves them all (any
+        topology but a cluster); on a cluster, one round trip per call, on
+        the node serving its first key. ``short``: on the releases'
+        connections (the renewal timeout, one retry), for a caller that must
+        not block long (the worker's sweep runs in its event loop).
+
+        Raises:
+            RedisError: the store is unreachable or a script failed.
+        """
+        topology = self._topology(_Kind.RELEASES if short else _Kind.COMMANDS)
+        if type(topology) is Topology:
+            endpoint = topology.endpoint
+            return endpoint.run(scripts_exchange(calls, endpoint.encoding))
+        return [topology.run_for_key(call[1][0], _script_runner(call)) for call in calls]
+
+    @property
+    def single_server(self) -> bool:
+        """One server holds every key (not a cluster): one script may touch any keys."""
+        return type(self._topology(_Kind.COMMANDS)) is Topology
+
+    def encoding_for(self, key: str) -> str:
+        """How text in the replies about ``key`` is encoded (the client's ``encoding``)."""
+        return self._topology(_Kind.COMMANDS).endpoint_for(key).encoding
+
+    def do_park(
+        self,
+        keys: Sequence[str],
+        args: Sequence[Any],
+        before: ScriptCall | None = None,
+        after: ScriptCall | None = None,
+    ) -> Any:
+        """Run ``PARK_SCRIPT`` between ``before`` and ``after``; return the park's raw reply."""
+        return self._with_neighbours((scripts.PARK, keys, args), before, after)
+
+    def _with_neighbours(
+        self, call: ScriptCall, before: ScriptCall | None, after: ScriptCall | None
+    ) -> Any:
+        """Run ``call`` with the calls before and after it (if any); return its reply."""
+        if before is None and after is None:
+            return self._topology(_Kind.COMMANDS).run_for_key(call[1][0], _script_runner(call))
+        calls = [c for c in (before, call, after) if c is not None]
+        return self.run_scripts(calls)[0 if before is None else 1]
 
     def do_extend(self, key: str, value: str, ttl_ms: int) -> int:
         """Run ``RENEW_SCRIPT`` for one key; return its status (1, 0 or -1)."""
@@ -1157,6 +1259,12 @@ class LockStore:
         if self.url is not None and self._client is not None:
             self._client.close()
             self._client = None
+
+
+def _script_runner(call: ScriptCall) -> Callable[[Endpoint], Callable[[Any], Any]]:
+    """``make_exchange`` for :meth:`Topology.run_for_key`: run one script call."""
+    script, keys, args = call
+    return lambda endpoint: script.exchange(keys, args, endpoint.encoding)
 
 
 def _then_wait(

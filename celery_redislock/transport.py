@@ -67,11 +67,13 @@ __all__ = [
     "ClusterTopology",
     "Endpoint",
     "Script",
+    "ScriptCall",
     "Subscription",
     "Topology",
     "connection_factory",
     "connection_settings",
     "pack_command",
+    "scripts_exchange",
 ]
 
 T = TypeVar("T")
@@ -504,27 +506,42 @@ class Script:
         Raises:
             ResponseError: any call failed (other than ``NOSCRIPT``).
         """
-        prepared = list(calls)
-        encoding = endpoint.encoding
+        return endpoint.run(scripts_exchange([(self, k, a) for k, a in calls], endpoint.encoding))
 
-        def run(connection: Any) -> list[Any]:
-            packed = b"".join(self.pack_evalsha(k, a, encoding) for k, a in prepared)
-            replies = _send_and_read(connection, packed, len(prepared))
-            missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
-            if missing:
-                again = b"".join(
-                    pack_command(self.eval_command(*prepared[i]), encoding) for i in missing
-                )
-                for index, reply in zip(
-                    missing, _send_and_read(connection, again, len(missing)), strict=True
-                ):
-                    replies[index] = reply
-            for reply in replies:
-                if isinstance(reply, ResponseError):
-                    raise reply
-            return replies
 
-        return endpoint.run(run)
+ScriptCall = tuple[Script, Sequence[str], Sequence[Any]]
+
+
+def scripts_exchange(calls: Sequence[ScriptCall], encoding: str) -> Callable[[Any], list[Any]]:
+    """An exchange running ``calls`` (script, keys, args) in one pipelined round trip.
+
+    A ``NOSCRIPT`` reply is followed by the ``EVAL`` of that call on the same
+    connection (one more round trip after a flush).
+
+    Raises (from the exchange):
+        ResponseError: any call failed (other than ``NOSCRIPT``).
+    """
+    prepared = list(calls)
+    packed = b"".join(script.pack_evalsha(k, a, encoding) for script, k, a in prepared)
+
+    def run(connection: Any) -> list[Any]:
+        replies = _send_and_read(connection, packed, len(prepared))
+        missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+        if missing:
+            again = b"".join(
+                pack_command(prepared[i][0].eval_command(*prepared[i][1:]), encoding)
+                for i in missing
+            )
+            for index, reply in zip(
+                missing, _send_and_read(connection, again, len(missing)), strict=True
+            ):
+                replies[index] = reply
+        for reply in replies:
+            if isinstance(reply, ResponseError):
+                raise reply
+        return replies
+
+    return run
 
 
 class Subscription:

@@ -310,3 +310,20 @@ def parked(self: Any, name: str, seconds: float) -> str:
     time.sleep(seconds)
     record().rpush(f"events:{name}", f"end:{self.request.id}:{time.time()}")
     return self.request.id
+
+
+@app.task(base=SingletonTask, bind=True, lock_args=("name",), lock_enqueue="until_start")
+def coalesced(self: Any, name: str, seconds: float) -> str:
+    """Coalescing (``until_start``): records its start and end, then sleeps."""
+    record().hset(f"started:{self.request.id}", mapping={"pid": os.getpid(), "key": self.lock.key})
+    record().rpush(f"events:{name}", f"start:{self.request.id}:{time.time()}")
+    time.sleep(seconds)
+    record().rpush(f"events:{name}", f"end:{self.request.id}:{time.time()}")
+    return self.request.id
+
+
+@app.task(base=SingletonTask, bind=True, lock_args=("name",), lock_debounce=6.0)
+def debounced(self: Any, name: str) -> str:
+    """Trailing debounce of six seconds (time to kill a worker before it is due)."""
+    record().rpush(f"events:{name}", f"start:{self.request.id}:{time.time()}")
+    return self.request.id

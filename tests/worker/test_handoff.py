@@ -357,8 +357,8 @@ class _LostParkReply(LockStore):
 
     lost: ClassVar[list[bool]] = []
 
-    def do_park(self, keys: Any, args: Any) -> Any:
-        reply = super().do_park(keys, args)
+    def do_park(self, keys: Any, args: Any, *calls: Any) -> Any:
+        reply = super().do_park(keys, args, *calls)
         if args[5] and not self.lost:
             self.lost.append(True)
             raise redis.exceptions.TimeoutError("Timeout reading from socket")
@@ -432,8 +432,8 @@ class _DieAfterPark(LockStore):
 
     flag_url: ClassVar[str] = ""
 
-    def do_park(self, keys: Any, args: Any) -> Any:
-        reply = super().do_park(keys, args)
+    def do_park(self, keys: Any, args: Any, *calls: Any) -> Any:
+        reply = super().do_park(keys, args, *calls)
         if args[5] and redis.Redis.from_url(self.flag_url).set("died-once", 1, nx=True):
             os._exit(1)
         return reply

@@ -1,0 +1,293 @@
+"""The index of pending calls: what a worker's sweep must publish if nobody else does.
+
+A call that must run later is waiting on something that can die with a
+worker: a parked call on its holder's release (and its safety-net copy,
+reserved by some worker), a coalesced run's message and a debounced run's
+countdown message on the worker that reserved them. The Redis broker gives
+a dead worker's reserved messages back only after its visibility timeout
+(an hour by default). So the lock store keeps each such call's message,
+and one sorted set per app (:func:`~celery_redislock.keys.pending_keys`)
+says when a sweep should look at it:
+
+* ``p|<limit>|<key>``: calls parked on ``key``. A sweep hands a free slot to
+  the first of them, as a release would (``REAP_PARKED_SCRIPT``);
+* ``q|<task id>|<key>``: ``key``'s coalesced run, published and not
+  started (``REAP_QUEUED_SCRIPT``); dropped in the round trip that starts
+  or parks it;
+* ``d|<task id>|<key>``: ``key``'s debounced run, due and not started
+  (``REAP_DEBOUNCED_SCRIPT``); dropped in the round trip that starts it;
+* ``o|<id>``: a re-send whose publish failed, kept in the outbox.
+
+Every worker sweeps (``sweeper.py``): one ``EVALSHA`` per tick when nothing
+is due, however many keys there are. A copy a sweep publishes may meet the
+original message later; the hand-off value's "ran" marker (see
+``PARK_SCRIPT``) lets only the first copy run.
+
+No Celery here: the scripts, their arguments and their replies.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote, unquote
+
+from redis.exceptions import RedisError
+
+from celery_redislock.keys import (
+    debounce_key,
+    fence_key,
+    handoff_keys,
+    next_run_key,
+    pending_keys,
+    queued_key,
+    slot_keys,
+)
+from celery_redislock.pending_scripts import (
+    DUE,
+    FORGET_DEBOUNCED,
+    FORGET_QUEUED,
+    OUTBOX_DONE,
+    OUTBOX_GET,
+    OUTBOX_PUT,
+    QUEUE_RUN,
+    REAP_DEBOUNCED,
+    REAP_PARKED,
+    REAP_QUEUED,
+    SETTLE,
+    TOUCH,
+)
+from celery_redislock.store import LockStore, backend_error, decode_text
+from celery_redislock.transport import ScriptCall
+
+__all__ = [
+    "Member",
+    "PendingIndex",
+    "Reaped",
+    "Reaping",
+]
+
+
+class Member:
+    """The index's members: what kind of pending call, and where."""
+
+    PARKED, QUEUED, DEBOUNCED, OUTBOX = "p", "q", "d", "o"
+
+    @staticmethod
+    def parked(key: str, limit: int) -> str:
+        """Calls parked on ``key`` (``limit`` slots)."""
+        return f"p|{limit}|{key}"
+
+    @staticmethod
+    def queued(key: str, task_id: str) -> str:
+        """``key``'s coalesced run ``task_id``, published and not started."""
+        return f"q|{quote(task_id, safe='')}|{key}"
+
+    @staticmethod
+    def debounced(key: str, task_id: str) -> str:
+        """``key``'s debounced run ``task_id``."""
+        return f"d|{quote(task_id, safe='')}|{key}"
+
+    @staticmethod
+    def parse(member: str) -> tuple[str, str, str]:
+        """``(kind, key or outbox id, slots or task id)`` of a member.
+
+        Raises:
+            ValueError: not a member this package writes.
+        """
+        kind, _, rest = member.partition("|")
+        if kind in (Member.PARKED, Member.QUEUED, Member.DEBOUNCED):
+            detail, _, key = rest.partition("|")
+            if key and detail:
+                return kind, key, unquote(detail)
+        elif kind == Member.OUTBOX and rest:
+            return kind, rest, ""
+        raise ValueError(f"not a pending-call member: {member!r}")
+
+
+class Reaping(enum.Enum):
+    """What a sweep found for one member."""
+
+    DONE = 0
+    LATER = 1
+    PUBLISH = 2
+
+
+@dataclass(frozen=True)
+class Reaped:
+    """A sweep's finding: done, look again in ``later_ms``, or publish ``message``.
+
+    ``handoff`` is the hand-off value a slot was handed to (parked calls).
+    """
+
+    outcome: Reaping
+    later_ms: int = 0
+    message: bytes = b""
+    handoff: str = ""
+
+
+def _reaped(reply: Any) -> Reaped:
+    outcome = Reaping(int(reply[0]))
+    if outcome is Reaping.LATER:
+        return Reaped(outcome, later_ms=max(int(reply[1]), 0))
+    if outcome is Reaping.PUBLISH:
+        message = reply[-1]
+        handoff = decode_text(reply[2], "utf-8") if len(reply) == 4 else ""
+        return Reaped(outcome, message=_as_bytes(message), handoff=handoff)
+    return Reaped(outcome)
+
+
+def _as_bytes(value: Any) -> bytes:
+    return value.encode("utf-8") if isinstance(value, str) else bytes(value)
+
+
+class PendingIndex:
+    """One app's pending calls in its lock store.
+
+    Args:
+        store: The app's lock store.
+        prefix: The app's key prefix (``redislock_key_prefix``).
+    """
+
+    def __init__(self, store: LockStore, prefix: str) -> None:
+        self.store = store
+        self.index, self.outbox = pending_keys(prefix)
+
+    def touch_call(self, member: str, delay_ms: int) -> ScriptCall:
+        """The script call that asks a sweep to look at ``member`` in ``delay_ms`` at the latest.
+
+        For a caller that sends it with its own script in one round trip
+        (``LockStore.run_scripts``).
+        """
+        return TOUCH, (self.index,), (member, max(int(delay_ms), 0))
+
+    def _run(self, calls: Sequence[ScriptCall], operation: str) -> list[Any]:
+        try:
+            return self.store.run_scripts(calls, short=True)
+        except RedisError as exc:
+            raise backend_error(exc, operation, self.index, self.store.describe()) from exc
+
+    def due(self, count: int, lease_ms: int) -> tuple[str, list[str]]:
+        """Claim up to ``count`` members due now, for ``lease_ms``; return the claim and them."""
+        (reply,) = self._run([(DUE, (self.index,), (count, lease_ms))], "sweep")
+        claim = decode_text(reply[1], "utf-8")
+        return claim, [decode_text(member, "utf-8") for member in reply[2:]]
+
+    def settle(self, member: str, claim: str, later_ms: int | None) -> None:
+        """After a sweep looked at ``member``: remove it (``None``) or look again in ``later_ms``.
+
+        A member touched since the claim is left as the toucher set it.
+        """
+        later = "" if later_ms is None else max(int(later_ms), 0)
+        self._run([(SETTLE, (self.index,), (member, claim, later))], "sweep")
+
+    def reap_parked(self, key: str, limit: int, handoff_ttl_ms: int, fence_ttl_ms: int) -> Reaped:
+        """Hand a free slot of ``key`` to the first parked call (see ``REAP_PARKED_SCRIPT``)."""
+        waiters, parked, _, parking = handoff_keys(key)
+        keys = (*slot_keys(key, limit), waiters, parked, parking, fence_key(key))
+        (reply,) = self._run([(REAP_PARKED, keys, (handoff_ttl_ms, fence_ttl_ms))], "hand over")
+        return _reaped(reply)
+
+    def reap_queued(self, key: str, task_id: str, grace_ms: int, ran_ttl_ms: int) -> Reaped:
+        """A copy of ``key``'s coalesced run if it is overdue (see ``REAP_QUEUED_SCRIPT``)."""
+        _, parked, ran, _ = handoff_keys(key)
+        keys = (queued_key(key), next_run_key(key), ran, parked)
+        (reply,) = self._run([(REAP_QUEUED, keys, (grace_ms, ran_ttl_ms, task_id))], "sweep")
+        return _reaped(reply)
+
+    def reap_debounced(self, key: str, task_id: str, grace_ms: int, ran_ttl_ms: int) -> Reaped:
+        """A copy of ``key``'s debounced run if it is overdue (see ``REAP_DEBOUNCED_SCRIPT``)."""
+        keys = (debounce_key(key), handoff_keys(key)[2])
+        (reply,) = self._run([(REAP_DEBOUNCED, keys, (grace_ms, ran_ttl_ms, task_id))], "sweep")
+        return _reaped(reply)
+
+    def forget_queued_call(
+        self, key: str, task_id: str, token: str, handoff: str
+    ) -> ScriptCall | None:
+        """The call that drops a coalesced run's member once it started or parked.
+
+        Sent right after the script that grants or parks it, in the same
+        round trip; ``None`` on a cluster (the keys are of two slots): the
+        sweep drops the member when it finds the run started.
+        """
+        if not self.store.single_server:
+            return None
+        keys = (self.index, queued_key(key), handoff_keys(key)[1])
+        return FORGET_QUEUED, keys, (Member.queued(key, task_id), token, handoff)
+
+    def forget_debounced_call(self, key: str, task_id: str) -> ScriptCall | None:
+        """As :meth:`forget_queued_call`, for a debounced run whose burst ended."""
+        if not self.store.single_server:
+            return None
+        keys = (self.index, debounce_key(key))
+        return FORGET_DEBOUNCED, keys, (Member.debounced(key, task_id), task_id)
+
+    def queue_run(
+        self,
+        key: str,
+        token: str,
+        ttl_ms: int,
+        handoff: str,
+        message: bytes,
+        due_ms: int,
+        task_id: str,
+    ) -> tuple[bool, str | None, float | None]:
+        """Queue ``key``'s coalesced run at enqueue time, keeping its message (one round trip).
+
+        Takes ``key``'s queued key with ``token`` (as an acquire would) and
+        asks the sweep to publish ``message`` if the run has not started
+        ``due_ms`` from now. On the commands' connections (a producer).
+
+        Returns:
+            ``(queued, holder's token, holder's remaining TTL in s)``; the
+            holder is the run already queued when not ``queued``.
+
+        Raises:
+            LockBackendError: the store is unreachable or refused the script.
+        """
+        call = (
+            QUEUE_RUN,
+            (queued_key(key), next_run_key(key)),
+            (token, ttl_ms, handoff, message, max(int(due_ms), 0), task_id),
+        )
+        touch = self.touch_call(Member.queued(key, task_id), due_ms)
+        try:
+            reply = self.store.run_scripts([touch, call])[1]
+        except RedisError as exc:
+            where = self.store.describe()
+            raise backend_error(exc, "queue a run of", key, where) from exc
+        if int(reply[0]) == 1:
+            return True, None, None
+        pttl = int(reply[2])
+        holder = decode_text(reply[1], self.store.encoding_for(key))
+        return False, holder, pttl / 1000.0 if pttl >= 0 else None
+
+    def put_outbox(self, message_id: str, message: bytes, delay_ms: int) -> None:
+        """Keep ``message`` for a sweep to publish in ``delay_ms`` (the broker refused it).
+
+        On the commands' connections: the caller is a task, not the sweep.
+        """
+        try:
+            self.store.run_scripts(
+                [
+                    (
+                        OUTBOX_PUT,
+                        (self.index, self.outbox),
+                        (message_id, message, max(int(delay_ms), 0)),
+                    )
+                ]
+            )
+        except RedisError as exc:
+            where = self.store.describe()
+            raise backend_error(exc, "keep a message for", self.index, where) from exc
+
+    def outbox_message(self, message_id: str) -> bytes | None:
+        """The outbox's message ``message_id`` (``None`` once published)."""
+        (reply,) = self._run([(OUTBOX_GET, (self.outbox,), (message_id,))], "sweep")
+        return None if reply is None else _as_bytes(reply)
+
+    def outbox_done(self, message_id: str) -> None:
+        """``message_id`` was published: forget it."""
+        self._run([(OUTBOX_DONE, (self.index, self.outbox), (message_id,))], "sweep")

@@ -123,17 +123,17 @@ def publish_once(
         try:
             return publish(args, kwargs, task_id=task_id, headers=headers, **options)
         finally:
-            take_back_value(settings.backend, key, token, now=False)  # the store just failed
+            take_back_value(settings.backend, key, token, now=False, ttl=ttl)  # store just failed
     except BaseException:
         # Interrupted: the key may hold a token for a task never published.
-        take_back_value(settings.backend, key, token)
+        take_back_value(settings.backend, key, token, ttl=ttl)
         raise
     if not result.acquired:
         return _duplicate(task, settings, key, task_id, result)
     try:
         return publish(args, kwargs, task_id=task_id, headers=headers, **options)
     except BaseException:
-        take_back_value(settings.backend, key, token)  # nothing was queued: free the key
+        take_back_value(settings.backend, key, token, ttl=ttl)  # nothing was queued: free it
         raise
 
 

@@ -542,7 +542,12 @@ class Execution:
         # its lock ("run"), or after the re-send ("fail") ran and released.
         # The re-send also carries the value, to take it over if it is there.
         take_back_value(
-            self.settings.backend, self.key, self.value, now=False, limit=self.settings.limit
+            self.settings.backend,
+            self.key,
+            self.value,
+            now=False,
+            limit=self.settings.limit,
+            ttl=self.settings.ttl,
         )
         on_backend_error(self.task, self.settings, self.key, exc, self.value)
 
@@ -634,7 +639,13 @@ class Execution:
                 self.handle.release()
         elif self.unsettled:
             # Interrupted between sending an acquire and reading its reply.
-            take_back_value(self.settings.backend, self.key, self.value, limit=self.settings.limit)
+            take_back_value(
+                self.settings.backend,
+                self.key,
+                self.value,
+                limit=self.settings.limit,
+                ttl=self.settings.ttl,
+            )
             self.unsettled = False
 
 

@@ -331,7 +331,7 @@ def fence_key(key: str) -> str:
 #: Suffixes of the keys that hold parked executions (see :func:`handoff_keys`).
 HANDOFF_SUFFIXES = ("waiters", "parked", "ran", "parking")
 #: Suffixes of every key kept beside a lock that is not a lock itself.
-NOT_LOCK_SUFFIXES = ("fence", "debounce", "next", "pending", *HANDOFF_SUFFIXES)
+NOT_LOCK_SUFFIXES = ("fence", "debounce", "next", "index", "outbox", *HANDOFF_SUFFIXES)
 
 
 def handoff_keys(key: str) -> tuple[str, str, str, str]:
@@ -353,12 +353,15 @@ def handoff_keys(key: str) -> tuple[str, str, str, str]:
 def pending_keys(prefix: str) -> tuple[str, str]:
     """Return the keys of the app's pending calls: the index and the outbox, one slot.
 
-    * ``<prefix>:pending``: a sorted set, member -> when (server ms) a
-      worker's sweep should look at it (see ``pending.py``);
-    * ``{<prefix>:pending}:outbox``: a hash, id -> a message to publish.
+    * ``<prefix>:{pending}:index``: a sorted set, member -> when (server ms)
+      a worker's sweep should look at it (see ``pending.py``);
+    * ``<prefix>:{pending}:outbox``: a hash, id -> a message to publish.
+
+    Both start with the prefix (an ACL's ``~<prefix>:*`` covers them) and
+    share a hash tag (one script may touch both on a cluster). No lock key
+    ends with ``:index`` or ``:outbox`` (a task key ends with its tag).
     """
-    index = f"{prefix}:pending"
-    return index, _companion(index, "outbox")
+    return f"{prefix}:{{pending}}:index", f"{prefix}:{{pending}}:outbox"
 
 
 def next_run_key(key: str) -> str:

@@ -34,14 +34,14 @@ _DRIFT_FACTOR = 0.01
 _DRIFT_FLOOR = 0.002
 
 
-def _dropped_while_held(pid: int, backend: LockStore, key: str, value: str) -> None:
+def _dropped_while_held(pid: int, backend: LockStore, key: str, value: str, ttl: float) -> None:
     """Finalizer of a scoped handle dropped before its release ran.
 
     Only in the process that acquired it: a forked child inherits the handle
     (and this finalizer) but never owned the lock.
     """
     if current_pid() == pid:
-        renewer().abandon(backend, key, value)
+        renewer().abandon(backend, key, value, ttl)
 
 
 class LockHandle:
@@ -127,7 +127,13 @@ class LockHandle:
             self._renewing = True
             if scoped:
                 dropped = weakref.finalize(
-                    self, _dropped_while_held, current_pid(), self.backend, self.key, self.value
+                    self,
+                    _dropped_while_held,
+                    current_pid(),
+                    self.backend,
+                    self.key,
+                    self.value,
+                    self.ttl,
                 )
                 dropped.atexit = False  # at exit the TTL frees it; no thread to take it back
                 self._dropped = dropped

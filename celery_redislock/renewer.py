@@ -116,7 +116,7 @@ class Renewer:
         self._scoped: weakref.WeakValueDictionary[int, Renewable] = weakref.WeakValueDictionary()
         # (backend, key, value) of dropped scoped handles: appended from a
         # finalizer (any thread, inside the garbage collector), so no lock.
-        self._abandoned: collections.deque[tuple[LockStore, str, str]] = collections.deque()
+        self._abandoned: collections.deque[tuple[LockStore, str, str, float]] = collections.deque()
         self._pid = current_pid()
         self._running = False
         # When the thread will wake next (clock time), and how long it sleeps
@@ -179,12 +179,12 @@ class Renewer:
             self._handles.pop(id(handle), None)
             self._scoped.pop(id(handle), None)
 
-    def abandon(self, backend: LockStore, key: str, value: str) -> None:
-        """A scoped handle was dropped while held: take its value back.
+    def abandon(self, backend: LockStore, key: str, value: str, ttl: float = 0.0) -> None:
+        """A scoped handle was dropped while held: take its value back (within its ``ttl``).
 
         Called from a finalizer, so it only queues and wakes the thread.
         """
-        self._abandoned.append((backend, key, value))
+        self._abandoned.append((backend, key, value, ttl))
         self._notify()
 
     @property
@@ -233,7 +233,7 @@ class Renewer:
         now = clock()
         self.heartbeat = now
         while self._abandoned:
-            backend, key, value = self._abandoned.popleft()
+            backend, key, value, ttl = self._abandoned.popleft()
             logger.warning(
                 "lock %s was dropped while held (was its release interrupted?); "
                 "renewal stopped, taking it back",
@@ -243,7 +243,7 @@ class Renewer:
             # threads (greenlets under gevent): not usable from this native
             # thread there. The TTL then frees the key, no longer renewed.
             if not _gevent_patched():
-                take_back_value(backend, key, value, now=False)
+                take_back_value(backend, key, value, now=False, ttl=ttl)
         with self._mutex:
             handles = [*self._handles.values(), *self._scoped.values()]
             to_warm, self._to_warm = self._to_warm, []

@@ -50,9 +50,8 @@ logger = logging.getLogger("celery_redislock.task")
 
 #: Longest wait for a SIGKILLed pool child to exit before its lock is released.
 _KILLED_EXIT_WAIT = 5.0
-#: Signals a billiard child turns into SystemExit (its ``finally`` releases the
-#: lock), and the longest wait for that release. SIGINT is ignored by children.
-_STOPPING_SIGNALS = (signals_module.SIGTERM, signals_module.SIGQUIT, signals_module.SIGHUP)
+#: The longest wait for a signalled child's own ``finally`` to release its
+#: lock before REVOKED is deferred (to its exit, or to the end of its task).
 _STOPPING_RELEASE_WAIT = 1.0
 #: billiard's grace between SIGTERM and SIGKILL at a hard time limit.
 _HARD_LIMIT_GRACE = 0.1
@@ -273,11 +272,14 @@ class _ReleaseAfterExit:
             released = _exited(pid, _KILLED_EXIT_WAIT)
             if released:
                 request._release_child_lock("terminated")
-        elif signum in _STOPPING_SIGNALS:
-            released = request._wait_for_child_release(_STOPPING_RELEASE_WAIT)
         else:
-            return  # a signal the child survives (SIGUSR1: a soft time limit)
-        # Not yet: announce REVOKED when billiard reports the exit (Terminated).
+            # A signal the child turns into SystemExit, or one it may survive
+            # (SIGUSR1 raises SoftTimeLimitExceeded in the body, which may go
+            # on holding the lock): REVOKED only once its lock is released.
+            released = request._wait_for_child_release(_STOPPING_RELEASE_WAIT)
+        # Not yet: REVOKED is announced when billiard reports the child's exit
+        # (Terminated); a child that survived the signal ends its task
+        # instead, releasing first, and its own outcome is stored.
         request._redislock_defer_revoked = not released
 
     def __getattr__(self, name: str) -> Any:

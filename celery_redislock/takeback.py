@@ -5,7 +5,10 @@ and reading) may still run once the lock store answers, on its own closed
 connection, and leave a value that blocks the key for its whole TTL. Its
 caller cannot wait to find out, so it hands a *take-back* here: a
 compare-and-delete of exactly that value, tried at once and then again for
-about a minute.
+about a minute, and on (every 32 s) until the value's TTL has passed: a
+lock abandoned while the store was down for longer (a ``with`` block whose
+release never ran, a long TTL) is freed once the store answers again,
+rather than at its TTL.
 
 All take-backs of a process share one daemon thread and one heap of due
 times: a burst of failures (a lock store that froze under load) queues work,
@@ -49,8 +52,8 @@ class _Worker:
         # The guard only covers that creation, never a wait.
         self._guard = _thread.allocate_lock()
         self._cond: threading.Condition | None = None
-        # (due, sequence, attempts made, attempt): sequence breaks ties.
-        self._heap: list[tuple[float, int, int, Attempt]] = []
+        # (due, sequence, attempts made, until, attempt): sequence breaks ties.
+        self._heap: list[tuple[float, int, int, float, Attempt]] = []
         self._sequence = itertools.count()
         self._running = False
 
@@ -60,10 +63,11 @@ class _Worker:
                 self._cond = threading.Condition(threading.Lock())
             return self._cond
 
-    def add(self, attempt: Attempt) -> None:
+    def add(self, attempt: Attempt, until: float = 0.0) -> None:
         cond = self._condition()
         with cond:
-            heapq.heappush(self._heap, (clock() + DELAYS[0], next(self._sequence), 1, attempt))
+            entry = (clock() + DELAYS[0], next(self._sequence), 1, until, attempt)
+            heapq.heappush(self._heap, entry)
             start, self._running = not self._running, True
             cond.notify()
         if start:
@@ -81,15 +85,17 @@ class _Worker:
                 with cond:
                     while not self._heap or self._heap[0][0] > clock():
                         cond.wait(None if not self._heap else self._heap[0][0] - clock())
-                    _, _, made, attempt = heapq.heappop(self._heap)
+                    _, _, made, until, attempt = heapq.heappop(self._heap)
                 try:
                     settled = attempt()
                 except Exception:
                     logger.exception("taking back a lock value failed")
                     settled = False
-                if not settled and made < len(DELAYS):
+                delay = DELAYS[min(made, len(DELAYS) - 1)]
+                if not settled and (made < len(DELAYS) or clock() < until):
                     with cond:
-                        entry = (clock() + DELAYS[made], next(self._sequence), made + 1, attempt)
+                        due = clock() + delay
+                        entry = (due, next(self._sequence), made + 1, until, attempt)
                         heapq.heappush(self._heap, entry)
         finally:
             # Killed by something other than an Exception: let the next
@@ -103,16 +109,18 @@ _WORKER = _Worker()
 os.register_at_fork(after_in_child=_WORKER._reset)
 
 
-def take_back(attempt: Attempt) -> None:
+def take_back(attempt: Attempt, until: float = 0.0) -> None:
     """Run ``attempt`` now; if it does not settle, again from the background thread.
 
     Args:
         attempt: One compare-and-delete; returns True once settled. It must
             not raise for a lock-store error (return False instead).
+        until: Keep trying (after the first minute's schedule) until this
+            :func:`clock` time: when the value has expired by itself.
     """
     if attempt():
         return
-    _WORKER.add(attempt)
+    _WORKER.add(attempt, until)
 
 
 def pending() -> int:
@@ -121,9 +129,15 @@ def pending() -> int:
 
 
 def take_back_value(
-    backend: LockStore, key: str, value: str, *, now: bool = True, limit: int = 1
+    backend: LockStore,
+    key: str,
+    value: str,
+    *,
+    now: bool = True,
+    limit: int = 1,
+    ttl: float = 0.0,
 ) -> None:
-    """Take back ``value`` from ``key`` (compare-and-delete), now and for about a minute.
+    """Take back ``value`` from ``key`` (compare-and-delete), now and until it cannot be there.
 
     Args:
         backend: The lock store the value may have reached.
@@ -133,6 +147,8 @@ def take_back_value(
             store has just failed: the caller should not wait on it again.
         limit: The key's ``lock_limit``: with more than one slot, the value
             is taken back from whichever slot it landed in.
+        ttl: The value's time to live, in seconds: tried for about a minute
+            in any case, and for as long as this if longer.
     """
 
     def attempt() -> bool:
@@ -147,7 +163,8 @@ def take_back_value(
         # ALREADY_GONE: the late acquire may not have landed yet.
         return outcome in (ReleaseOutcome.RELEASED, ReleaseOutcome.NOT_OURS)
 
+    until = clock() + ttl
     if now:
-        take_back(attempt)
+        take_back(attempt, until)
     else:
-        _WORKER.add(attempt)
+        _WORKER.add(attempt, until)

@@ -453,7 +453,9 @@ class FaultProxy:
 
     ``latency`` delays every chunk in both directions; ``blackhole()`` keeps
     connections open but forwards nothing (a partition); ``heal()`` undoes
-    both. New connections are accepted in every mode.
+    both. ``lose_replies = n`` drops the next ``n`` chunks the server sends
+    (a command that ran, whose reply never arrives). New connections are
+    accepted in every mode.
     """
 
     def __init__(self, target_port: int) -> None:
@@ -461,6 +463,7 @@ class FaultProxy:
 
         self.target_port = target_port
         self.latency = 0.0
+        self.lose_replies = 0
         self.blackholed = threading.Event()
         #: Chunks read while blackholed and not yet passed on.
         self.held = 0
@@ -504,10 +507,12 @@ class FaultProxy:
                 client.close()
                 continue
             self.sockets += [client, upstream]
-            for source, sink in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(source, sink), daemon=True).start()
+            for source, sink, replies in ((client, upstream, False), (upstream, client, True)):
+                threading.Thread(
+                    target=self._pipe, args=(source, sink, replies), daemon=True
+                ).start()
 
-    def _pipe(self, source: socket.socket, sink: socket.socket) -> None:
+    def _pipe(self, source: socket.socket, sink: socket.socket, replies: bool = False) -> None:
         while not self.closed.is_set():
             try:
                 data = source.recv(65536)
@@ -526,6 +531,9 @@ class FaultProxy:
                     self.held -= 1
             if self.latency:
                 time.sleep(self.latency)
+            if replies and self.lose_replies > 0:
+                self.lose_replies -= 1
+                continue
             try:
                 sink.sendall(data)
             except OSError:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import time
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -263,3 +264,33 @@ def test_a_forked_child_leaving_the_with_block_never_touches_the_parents_lock(
             code = 0
         finally:
             os._exit(code)
+
+
+def test_an_abandoned_lock_is_taken_back_when_the_store_returns_within_its_ttl(
+    redis_server_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``with`` lock dropped while its store is down is freed when the store answers again.
+
+    The take-back's first schedule ends early here (0.3 s instead of about a
+    minute); it goes on trying until the lock's own TTL has passed, so the
+    key is free long before that TTL (20 s).
+    """
+    from celery_redislock import takeback
+    from tests.servers import wait_until
+
+    monkeypatch.setattr(takeback, "DELAYS", (0.1, 0.2))
+    server = redis_server_factory()
+    client = server.client()
+    lock = RedisLock(client, "abandoned-long", ttl=20)
+    lock.__enter__()  # what `with` does; its __exit__ is then never called
+    server.pause()
+    try:
+        del lock
+        gc.collect()
+        wait_until(lambda: takeback.pending() >= 1, timeout=10, message="a take-back queued")
+        time.sleep(4)  # the outage: longer than the first schedule (and its timeouts)
+    finally:
+        server.resume()
+    resumed = time.monotonic()
+    wait_until(lambda: client.exists("abandoned-long") == 0, timeout=10, message="taken back")
+    assert time.monotonic() - resumed < 5

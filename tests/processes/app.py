@@ -13,6 +13,7 @@ from typing import Any
 
 import redis
 from celery import Celery
+from celery.exceptions import SoftTimeLimitExceeded
 from celery.signals import task_revoked
 
 from celery_redislock import HandOff, Retry, SingletonTask, Wait, lock_contended, lock_lost
@@ -327,3 +328,15 @@ def debounced(self: Any, name: str) -> str:
     """Trailing debounce of six seconds (time to kill a worker before it is due)."""
     record().rpush(f"events:{name}", f"start:{self.request.id}:{time.time()}")
     return self.request.id
+
+
+@app.task(base=SingletonTask, bind=True, lock_args=("name",))
+def survives_soft_limit(self: Any, name: str) -> str:
+    """Catches SoftTimeLimitExceeded (SIGUSR1) and goes on holding its lock for 2 s."""
+    record().hset(f"started:{self.request.id}", mapping={"pid": os.getpid(), "key": self.lock.key})
+    try:
+        time.sleep(60)
+    except SoftTimeLimitExceeded:
+        record().rpush(f"events:{name}", "soft")
+        time.sleep(2)
+    return name

@@ -606,3 +606,44 @@ def test_a_call_that_gives_up_after_max_wait_never_runs_later(
         job._lock_settings().backend.release(key, holder)
         assert not lock_client.exists(key)  # nothing handed to the call that gave up
     assert record.lrange("runs", 0, -1) == []
+
+
+def test_parked_calls_behind_an_idempotency_window_run_in_the_order_they_parked(
+    app_factory: Any, record: redis.Redis
+) -> None:
+    """``lock_hold_after_success``: no release hands the key over; a sweep does, in order.
+
+    Each run keeps the key 3 s after it succeeds. The safety nets (due one
+    TTL after the hold, 1 s of jitter) come in any order: a copy that finds
+    the key free hands it to the call that parked first.
+    """
+    app = app_factory(redislock_sweep_interval=0.2)
+
+    @app.task(
+        base=SingletonTask,
+        shared=False,
+        lock_args=(),
+        lock_ttl=2,
+        lock_hold_after_success=3,
+        lock_on_contention=HandOff(jitter=1.0),
+    )
+    def job(label: str, seconds: float) -> str:
+        start = time.time()
+        time.sleep(seconds)
+        record.rpush("spans", f"{start}|{time.time()}|{label}")
+        return label
+
+    with embedded_worker(app, "threads", 4):
+        holder = job.delay("holder", 0.3)
+        wait_until(lambda: _held(app, job), timeout=20)
+        waiters = []
+        for index in range(3):
+            waiters.append(job.delay(f"w{index}", 0.05))
+            wait_until(lambda n=index + 1: _parked(app, job) >= n, timeout=20)
+        assert holder.get(timeout=20) == "holder"
+        assert [w.get(timeout=40) for w in waiters] == ["w0", "w1", "w2"]
+    spans = _spans(record, "spans")
+    assert [label for _, _, label in spans] == ["holder", "w0", "w1", "w2"]
+    for (_, end, _), (start, _, label) in itertools.pairwise(spans):
+        # After the window (3 s), within a sweep interval and a little.
+        assert 3.0 <= start - end < 4.5, f"{label} started {start - end:.3f}s after the run before"

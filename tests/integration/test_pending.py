@@ -1,0 +1,188 @@
+"""The pending-call index and its sweep scripts against a real redis-server (no Celery)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+
+from celery_redislock.keys import debounce_key, handoff_keys, next_run_key, queued_key
+from celery_redislock.pending import Member, PendingIndex, Reaping
+from celery_redislock.store import LockStore, ReleaseOutcome
+from tests.conftest import LOCK_DB
+from tests.servers import FaultProxy, RedisServer, wait_until
+
+KEY = "redislock:t:{abc}"
+TTL = 10_000
+PARK_TTL = 60_000
+HANDOFF_TTL = 5_000
+
+
+@pytest.fixture
+def store(lock_client: redis.Redis) -> LockStore:
+    backend = LockStore(client=lock_client)
+    handed: list[tuple[str, str, bytes]] = []
+    backend.on_handoff = lambda key, waiter, message: handed.append((key, waiter, message))
+    backend.handed = handed  # type: ignore[attr-defined]
+    backend.handoff_ttl_ms = HANDOFF_TTL
+    return backend
+
+
+@pytest.fixture
+def index(store: LockStore) -> PendingIndex:
+    return PendingIndex(store, "redislock")
+
+
+def park(store: LockStore, index: PendingIndex, value: str, handoff: str, msg: bytes) -> bool:
+    touch = index.touch_call(Member.parked(KEY, 1), 0)
+    return store.park(KEY, value, TTL, handoff, "o", msg, PARK_TTL, touch=touch).parked
+
+
+def test_a_sweep_hands_a_dead_holders_key_to_the_first_parked_call(
+    store: LockStore, index: PendingIndex, lock_client: redis.Redis
+) -> None:
+    assert store.acquire(KEY, "holder", TTL).acquired
+    assert park(store, index, "a", "handoff-a", b"message-a")
+    assert park(store, index, "b", "handoff-b", b"message-b")
+    _, due = index.due(10, 1000)
+    assert due == [Member.parked(KEY, 1)]  # touched by the parks: look at once
+    held = index.reap_parked(KEY, 1, HANDOFF_TTL, 0)
+    assert held.outcome is Reaping.LATER and 9_000 < held.later_ms <= TTL
+    lock_client.delete(KEY)  # the holder's worker died; its TTL ran out
+    handed = index.reap_parked(KEY, 1, HANDOFF_TTL, 0)
+    assert handed.outcome is Reaping.PUBLISH
+    assert (handed.handoff, handed.message) == ("handoff-a", b"message-a")
+    assert lock_client.get(KEY) == b"handoff-a"
+    assert 0 < lock_client.pttl(KEY) <= HANDOFF_TTL
+    # The hold expired unused (the woken message died): a is handed again, first.
+    lock_client.delete(KEY)
+    again = index.reap_parked(KEY, 1, HANDOFF_TTL, 0)
+    assert (again.outcome, again.handoff) == (Reaping.PUBLISH, "handoff-a")
+    # a runs (its copy is granted) and releases: b next, by the release itself.
+    assert store.park(KEY, "a-run", TTL, "handoff-a", "r:1", b"", PARK_TTL).result.acquired
+    assert store.release(KEY, "a-run") is ReleaseOutcome.RELEASED
+    assert lock_client.get(KEY) == b"handoff-b"
+    assert store.park(KEY, "b-run", TTL, "handoff-b", "w:1", b"", PARK_TTL).result.acquired
+    store.release(KEY, "b-run")
+    assert index.reap_parked(KEY, 1, HANDOFF_TTL, 0).outcome is Reaping.DONE
+
+
+def test_a_copy_that_finds_the_key_free_hands_it_to_the_call_that_parked_first(
+    store: LockStore, index: PendingIndex, lock_client: redis.Redis
+) -> None:
+    assert store.acquire(KEY, "holder", TTL).acquired
+    for name in "abc":
+        assert park(store, index, name, f"handoff-{name}", f"message-{name}".encode())
+    lock_client.delete(KEY)
+    # c's safety net comes first: it hands the key to a and stays parked.
+    late = store.park(KEY, "c-net", TTL, "handoff-c", "f:1", b"", PARK_TTL)
+    assert not late.result.acquired and late.parked
+    assert late.result.holder == "handoff-a"
+    assert lock_client.get(KEY) == b"handoff-a"
+    assert store.handed == [(KEY, "handoff-a", b"message-a")]  # type: ignore[attr-defined]
+    assert lock_client.lrange(handoff_keys(KEY)[0], 0, -1) == [b"handoff-b", b"handoff-c"]
+
+
+def test_a_member_touched_while_claimed_is_not_removed(index: PendingIndex) -> None:
+    member = Member.parked(KEY, 1)
+    runner = index.store.run_scripts
+    runner([index.touch_call(member, 0)])
+    claim, due = index.due(10, 5000)
+    assert due == [member]
+    assert index.due(10, 5000)[1] == []  # claimed: another sweep leaves it
+    runner([index.touch_call(member, 0)])  # a call parks meanwhile
+    index.settle(member, claim, None)  # the sweep found nothing: remove... not this
+    assert index.due(10, 5000)[1] == [member]
+
+
+def test_a_coalesced_run_not_started_in_time_is_published_again_once_per_grace(
+    store: LockStore, index: PendingIndex, lock_client: redis.Redis
+) -> None:
+    queued, _ = index.queue_run(KEY, "token-1", PARK_TTL, "handoff-1", b"run-1", 300, "id-1")[:2]
+    assert queued
+    assert index.reap_queued(KEY, "id-1", 1000, PARK_TTL).outcome is Reaping.LATER
+    time.sleep(0.35)  # the run's grace (300 ms) passes: its worker never started it
+    copy = index.reap_queued(KEY, "id-1", 1000, PARK_TTL)
+    assert (copy.outcome, copy.message) == (Reaping.PUBLISH, b"run-1")
+    assert lock_client.hget(handoff_keys(KEY)[2], "handoff-1") == b"?"  # copies exist
+    # Another sweep, right after: not again before the next grace.
+    assert index.reap_queued(KEY, "id-1", 1000, PARK_TTL).outcome is Reaping.LATER
+    # A duplicate call joins the queued run.
+    assert not index.queue_run(KEY, "token-2", PARK_TTL, "handoff-2", b"run-2", 300, "id-2")[0]
+    # The copy is granted: the queued key and its record go; the original is dropped.
+    slot = (queued_key(KEY), "token-1")
+    granted = store.park(KEY, "v", TTL, "handoff-1", "r:1", b"", PARK_TTL, slot)
+    assert granted.result.acquired
+    assert not lock_client.exists(queued_key(KEY), next_run_key(KEY))
+    store.release(KEY, "v")
+    assert store.park(KEY, "v2", TTL, "handoff-1", "o", b"", PARK_TTL, slot).already_ran
+    assert index.reap_queued(KEY, "id-1", 1000, PARK_TTL).outcome is Reaping.DONE
+
+
+def test_the_member_of_a_run_that_started_or_parked_is_forgotten_in_the_same_round_trip(
+    store: LockStore, index: PendingIndex, lock_client: redis.Redis
+) -> None:
+    index.queue_run(KEY, "token-1", PARK_TTL, "handoff-1", b"run-1", 60_000, "id-1")
+    assert lock_client.zcard(index.index) == 1
+    slot = (queued_key(KEY), "token-1")
+    forget = index.forget_queued_call(KEY, "id-1", "token-1", "handoff-1")
+    assert store.acquire(KEY, "running", TTL).acquired
+    # Contended and not parking yet (a first try): the member stays.
+    store.park(KEY, "v", TTL, "handoff-1", "o", b"", PARK_TTL, slot, after=forget)
+    assert lock_client.zcard(index.index) == 1
+    # It parks: the key's parked member covers it now.
+    store.park(KEY, "v", TTL, "handoff-1", "o", b"m", PARK_TTL, slot, after=forget)
+    assert lock_client.zrange(index.index, 0, -1) == []
+    assert index.reap_queued(KEY, "id-1", 1000, PARK_TTL).outcome is Reaping.DONE
+
+
+def test_a_debounced_run_not_started_in_time_is_published_again(
+    store: LockStore, index: PendingIndex, lock_client: redis.Redis
+) -> None:
+    touch = index.touch_call(Member.debounced(KEY, "burst-1"), 150)
+    new, burst, due = store.debounce(KEY, "burst-1", 100, 1000, b"run", "handoff-d", touch, 50)
+    assert new and burst == "burst-1" and due == pytest.approx(0.1)
+    assert index.reap_debounced(KEY, "burst-1", 50, PARK_TTL).outcome is Reaping.LATER
+    wait_until(
+        lambda: index.reap_debounced(KEY, "burst-1", 50, PARK_TTL).outcome is Reaping.PUBLISH,
+        timeout=5,
+    )
+    assert lock_client.hget(handoff_keys(KEY)[2], "handoff-d") == b"?"
+    # Its run starts: the record goes, and with it (same round trip) the member.
+    forget = index.forget_debounced_call(KEY, "burst-1")
+    assert store.debounce_due(KEY, "burst-1", after=forget) == 0
+    assert not lock_client.exists(debounce_key(KEY))
+    assert lock_client.zcard(index.index) == 0
+    assert index.reap_debounced(KEY, "burst-1", 50, PARK_TTL).outcome is Reaping.DONE
+
+
+def test_the_outbox_keeps_a_refused_message_until_it_is_published(index: PendingIndex) -> None:
+    index.put_outbox("id-1", b"message", 0)
+    _, due = index.due(10, 1000)
+    assert due == [Member.OUTBOX + "|id-1"]
+    assert index.outbox_message("id-1") == b"message"
+    index.outbox_done("id-1")
+    assert index.outbox_message("id-1") is None
+    assert index.due(10, 1000)[1] == []
+
+
+def test_a_release_retried_after_its_reply_was_lost_publishes_the_hand_over(
+    server: RedisServer, lock_client: redis.Redis
+) -> None:
+    """The first try handed the key over, its reply never came: the retry says so."""
+    proxy = FaultProxy(server.port)
+    store = LockStore(url=f"{proxy.url}/{LOCK_DB}")
+    handed: list[str] = []
+    store.on_handoff = lambda key, waiter, message: handed.append(waiter)
+    try:
+        assert store.acquire(KEY, "holder", TTL).acquired
+        assert store.park(KEY, "a", TTL, "handoff-a", "o", b"message-a", PARK_TTL).parked
+        store.release("redislock:t:{warm}", "x")  # the releases' connection is up
+        proxy.lose_replies = 1  # the release runs; its reply is lost; the retry's is not
+        assert store.release(KEY, "holder") is ReleaseOutcome.RELEASED
+        assert lock_client.get(KEY) == b"handoff-a"
+        assert handed == ["handoff-a"]
+    finally:
+        store.close()
+        proxy.close()

@@ -1,0 +1,48 @@
+"""``revoke(terminate=True)`` with a signal the pool child survives: REVOKED never while it holds."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery import states
+
+from tests.processes.test_crash import Cluster
+from tests.servers import wait_until
+
+pytestmark = [pytest.mark.subprocess, pytest.mark.slow, pytest.mark.fault]
+
+
+@pytest.fixture
+def workers(redis_server_factory: Any) -> Iterator[Cluster]:
+    started = Cluster(redis_server_factory())
+    yield started
+    started.close()
+
+
+def test_a_sigusr1_terminate_stores_no_ready_state_while_the_child_holds_the_lock(
+    workers: Cluster,
+) -> None:
+    """SIGUSR1 is billiard's soft time limit: the body catches it and runs on, locked, 2 s.
+
+    Celery stores REVOKED as soon as it sent the signal; ``result.get()``
+    raising ``TaskRevokedError`` must mean the lock is free, so nothing is
+    stored until the child released. Its own outcome is stored then.
+    """
+    workers.worker(ttl=30)
+    result = workers.send("survives_soft_limit", "usr1")
+    key = workers.started(result.id)["key"]
+    workers.producer.control.revoke(result.id, terminate=True, signal="SIGUSR1")
+    deadline = time.monotonic() + 20
+    while True:
+        state = result.state  # read before the key: a ready state must find it free
+        held = workers.locks.exists(key)
+        if state in states.READY_STATES:
+            assert held == 0, f"{state} stored while the child still held {key}"
+            break
+        assert time.monotonic() < deadline, "the task never ended"
+        time.sleep(0.005)
+    wait_until(lambda: workers.record.lrange("events:usr1", 0, -1) == ["soft"], timeout=5)
+    assert result.get(timeout=10) == "usr1"

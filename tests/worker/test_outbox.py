@@ -1,0 +1,64 @@
+"""A re-send the broker refuses is kept in the lock store and published when it takes it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_redislock import Retry, SingletonTask, lock_contended
+from tests.conftest import embedded_worker
+from tests.servers import RedisServer, wait_until
+
+pytestmark = pytest.mark.worker
+
+
+def test_a_lock_retry_whose_publish_fails_runs_once_the_broker_is_back(
+    app_factory: Any,
+    redis_server_factory: Any,
+    record: redis.Redis,
+    lock_client: redis.Redis,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The broker dies between the delivery and the lock retry's re-send.
+
+    The message was acknowledged when the run started (no ``acks_late``):
+    the re-send is the call's only copy. Kept in the lock store, a worker's
+    sweep publishes it once the broker is back; the call runs, once.
+    """
+    broker: RedisServer = redis_server_factory()
+    app: Celery = app_factory(broker_url=broker.url_for(0), redislock_sweep_interval=0.2)
+
+    @app.task(
+        base=SingletonTask,
+        shared=False,
+        lock_args=(),
+        lock_on_contention=Retry(countdown=0.5, jitter=0, max_retries=5),
+    )
+    def job(label: str) -> str:
+        record.rpush("runs", label)
+        return label
+
+    def broker_dies(sender: Any = None, **_: Any) -> None:
+        if getattr(sender, "name", None) == job.name and not record.getset("broker-killed", 1):
+            broker.kill()
+
+    lock_contended.connect(broker_dies, weak=False)
+    key = job.lock_key_for(("only",), {})
+    lock_client.set(key, "v1|holder|0|elsewhere|1|ab|job|0", px=1500)
+    try:
+        with (
+            caplog.at_level("WARNING", logger="celery_redislock"),
+            embedded_worker(app, "threads", 2),
+        ):
+            result = job.delay("only")
+            wait_until(lambda: app.AsyncResult(result.id).state == "RETRY", timeout=30)
+            assert "kept in the lock store" in caplog.text
+            assert record.llen("runs") == 0
+            broker.start()
+            assert result.get(timeout=60) == "only"
+    finally:
+        lock_contended.disconnect(broker_dies)
+    assert record.lrange("runs", 0, -1) == ["only"]

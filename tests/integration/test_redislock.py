@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import gc
-import time
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 

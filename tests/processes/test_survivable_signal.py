@@ -1,4 +1,4 @@
-"""``revoke(terminate=True)`` with a signal the pool child survives: REVOKED never while it holds."""
+"""``revoke(terminate=True)`` with a signal the child survives: no ready state while it holds."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Set
 from dataclasses import dataclass, field
 from difflib import get_close_matches
 from typing import TYPE_CHECKING, Any
@@ -32,6 +32,7 @@ from celery_redislock.policies import ContentionPolicy, resolve_policy
 from celery_redislock.store import LockStore
 from celery_redislock.validators import (
     check_limit_combination,
+    unknown_option_errors,
     validate_backend_error_mode,
     validate_count,
     validate_debounce,
@@ -56,6 +57,7 @@ __all__ = [
     "DEFAULTS",
     "SETTINGS",
     "SETTINGS_BY_NAME",
+    "TASK_OPTIONS",
     "AppSettings",
     "SettingSpec",
     "TaskSettings",
@@ -586,19 +588,48 @@ class TaskSettings:
         )
 
 
-def validate_task_options(cls: type, where: str) -> None:
+#: Every task option: the settings' task attributes, and the two that make the key.
+TASK_OPTIONS: tuple[str, ...] = (
+    "lock_args",
+    "lock_key",
+    *(spec.task_attribute for spec in SETTINGS if spec.task_attribute is not None),
+)
+
+
+def validate_task_options(
+    cls: type, where: str, defined: Mapping[str, Any] | None = None, helpers: Set[str] = frozenset()
+) -> None:
     """Check a task class's ``lock_*`` options when the class is made, not when it runs.
 
+    Args:
+        cls: The task class.
+        where: ``"task <name>"``, the start of every message.
+        defined: The ``lock_*`` names the task's own classes define, with
+            their values: each must be an option (or one of ``helpers``).
+        helpers: ``lock_*`` names of the package's task classes that are not
+            options (``lock_key_for``), which a task may override.
+
     Raises:
-        ConfigurationError: an option has a bad value, or ``lock_args`` and
-            ``lock_key`` are both set.
+        ConfigurationError: a ``lock_*`` name is not an option (with the
+            closest option), an option has a bad value (every one of those
+            at once), or two options are set that do not go together.
     """
+    unknown = {name: value for name, value in (defined or {}).items() if name not in helpers}
+    errors = unknown_option_errors(unknown, TASK_OPTIONS)
     for spec in SETTINGS:
         if spec.task_attribute is None:
             continue
         value = getattr(cls, spec.task_attribute, None)
         if value is not None:
-            spec.validate(value, f"{where}: {spec.task_attribute}")
+            try:
+                spec.validate(value, spec.task_attribute)
+            except ConfigurationError as exc:
+                errors.append(str(exc))
+    if len(errors) == 1:
+        raise ConfigurationError(f"{where}: {errors[0]}")
+    if errors:
+        listed = "".join(f"\n  - {error}" for error in errors)
+        raise ConfigurationError(f"{len(errors)} options of {where} are wrong:{listed}")
     if getattr(cls, "lock_debounce", None) and getattr(cls, "lock_enqueue", None):
         raise ConfigurationError(
             f"{where}: set lock_debounce or lock_enqueue, not both (a debounced call "

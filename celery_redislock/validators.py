@@ -15,9 +15,11 @@ from typing import Any
 
 from celery.utils.imports import symbol_by_name
 
+from celery_redislock.clients import URL_SCHEMES, check_url, url_error_detail
 from celery_redislock.exceptions import ConfigurationError
 from celery_redislock.policies import ContentionPolicy, resolve_policy
 from celery_redislock.store import LockStore
+from celery_redislock.urls import mask_url
 
 __all__ = [
     "BACKEND_ERROR_MODES",
@@ -25,6 +27,7 @@ __all__ = [
     "LOST_MODES",
     "check_limit_combination",
     "did_you_mean",
+    "unknown_option_errors",
     "validate_backend_error_mode",
     "validate_count",
     "validate_debounce",
@@ -57,6 +60,28 @@ def validate_ttl(ttl: Any, where: str) -> float:
 
 
 BACKEND_ERROR_MODES = ("fail", "run")
+
+
+def unknown_option_errors(defined: Mapping[str, Any], options: Sequence[str]) -> list[str]:
+    """One message per name in ``defined`` that is not one of ``options``, with the closest one.
+
+    ``lock_*`` names on a task class are the options' (a typo of one must
+    not pass as an attribute of the user's own): see ``task.py``.
+    """
+    # Compared without the common "lock_", which would make every name look close.
+    bare = {option.removeprefix("lock_"): option for option in options}
+    errors = []
+    for name, value in sorted(defined.items()):
+        if name in options:
+            continue
+        shown = name if callable(value) else f"{name}={value!r}"
+        guesses = get_close_matches(name.removeprefix("lock_"), list(bare), n=1, cutoff=0.6)
+        if guesses:
+            hint = f"; did you mean {bare[guesses[0]]}?"
+        else:
+            hint = f" (the options: {', '.join(options)}; lock_* names are reserved for them)"
+        errors.append(f"{shown} is not a celery-redislock task option{hint}")
+    return errors
 
 
 def did_you_mean(value: Any, choices: Sequence[str]) -> str:
@@ -111,6 +136,7 @@ def validate_enqueue_mode(value: Any, where: str) -> str:
         return value
     raise ConfigurationError(
         f"{where} must be False, True, 'until_done' or 'until_start', got {value!r}"
+        + (did_you_mean(value, ENQUEUE_MODES) or _bool_hint(value))
     )
 
 
@@ -178,7 +204,22 @@ def validate_flag(value: Any, where: str) -> bool:
         return value
     if isinstance(value, int) and value in (0, 1):
         return bool(value)
-    raise ConfigurationError(f"{where} must be True or False, got {value!r}")
+    raise ConfigurationError(f"{where} must be True or False, got {value!r}" + _bool_hint(value))
+
+
+_TRUE_WORDS = frozenset({"true", "yes", "y", "on", "1", "t"})
+_FALSE_WORDS = frozenset({"false", "no", "n", "off", "0", "f", "none", ""})
+
+
+def _bool_hint(value: Any) -> str:
+    """``"; did you mean True?"`` for a string that reads as a bool (an environment variable)."""
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in _TRUE_WORDS:
+            return "; did you mean True?"
+        if word in _FALSE_WORDS:
+            return "; did you mean False?"
+    return ""
 
 
 def validate_key_prefix(value: Any, where: str) -> str:
@@ -202,9 +243,16 @@ def validate_redis_options(value: Any, where: str) -> dict[str, Any]:
 
 
 def validate_url(value: Any, where: str) -> str | None:
-    """Return ``value`` if it is a URL (or None: see :func:`app_settings`), else raise.
+    """Return ``value`` if it is a URL that names a Redis server (or None), else raise.
 
-    The message never shows a password.
+    The URL is parsed as the client will parse it, without connecting: a
+    scheme that no Redis client speaks (``http://``), a port or database
+    that is not a number, or a Sentinel URL without its service is a
+    configuration error, found when the settings are read (before a worker
+    is ``ready``), not at the first lock operation. An unreachable server
+    is not: it may come up later. ``None`` means "use the broker URL" (see
+    :func:`~celery_redislock.settings.app_settings`). The message never
+    shows a password.
     """
     if value is None:
         return None
@@ -214,6 +262,20 @@ def validate_url(value: Any, where: str) -> str | None:
             # No scheme, so no reading of it is safe: keep only what follows the "@".
             shown = f"**@{value.rpartition('@')[2]}"
         raise ConfigurationError(f"{where} must be a redis:// URL, got {shown!r}")
+    scheme = value.partition("://")[0]
+    if scheme not in URL_SCHEMES:
+        guess = get_close_matches(scheme.lower(), URL_SCHEMES, n=1, cutoff=0.6)
+        raise ConfigurationError(
+            f"{where} {mask_url(value)!r} cannot name a Redis server: use redis://, "
+            "rediss:// (TLS), unix://, sentinel:// or redis+cluster://"
+            + (f"; did you mean '{guess[0]}://'?" if guess else "")
+        )
+    try:
+        check_url(value)
+    except ValueError as exc:
+        raise ConfigurationError(
+            f"{where} {mask_url(value)!r} is not a valid Redis URL: {url_error_detail(value, exc)}"
+        ) from None  # the cause may quote the password
     return value
 
 

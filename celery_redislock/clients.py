@@ -30,6 +30,7 @@ __all__ = [
     "DEFAULT_RETRY_BACKOFF_CAP",
     "URL_SCHEMES",
     "ClientSource",
+    "bounded_options",
     "build_client",
     "check_url",
     "client_source",
@@ -51,6 +52,34 @@ URL_SCHEMES = ("redis", "rediss", "unix", "sentinel", "redis+cluster", "rediss+c
 #: The command retry policy when none is given: 2 quick retries.
 DEFAULT_RETRY_BACKOFF_CAP = 0.2
 DEFAULT_RETRIES = 2
+
+
+def bounded_options(options: Mapping[str, Any], bound: float) -> dict[str, Any]:
+    """``options`` for a caller that must never wait on the store longer than ``bound`` seconds.
+
+    The producer's lock-store calls (``delay()`` of a ``lock_enqueue`` or
+    debounced task) use them. Connecting and each reply get half of
+    ``bound``, and nothing is retried (neither by the command nor by
+    redis-py's connect), so one call gives up within ``bound`` when the store
+    accepts connections and never answers (frozen), does not accept them
+    (unreachable host), or both in turn. Sentinels asked for the master get
+    the same timeouts; each one asked adds to it.
+    """
+    half = bound / 2
+    bounded = {
+        **options,
+        "socket_timeout": half,
+        "socket_connect_timeout": half,
+        "retry": Retry(NoBackoff(), 0),
+    }
+    if options.get("sentinel_kwargs") is not None:
+        bounded["sentinel_kwargs"] = {
+            **options["sentinel_kwargs"],
+            "socket_timeout": half,
+            "socket_connect_timeout": half,
+            "retry": Retry(NoBackoff(), 0),
+        }
+    return bounded
 
 
 def default_retry() -> Retry:

@@ -26,7 +26,7 @@ from celery_redislock.headers import (
     seconds_until,
 )
 from celery_redislock.keys import queued_key
-from celery_redislock.store import AcquireResult
+from celery_redislock.store import AcquireResult, LockStore
 from celery_redislock.takeback import take_back_value
 from celery_redislock.tokens import LockValue
 
@@ -44,6 +44,16 @@ logger = logging.getLogger("celery_redislock.task")
 _BYPASS_OPTIONS = ("chord", "group_id", "chain", "link", "link_error")
 
 Publish = Callable[..., Any]
+
+
+def _producer_store(settings: TaskSettings) -> LockStore:
+    """The store of the calls ``delay()`` makes before publishing.
+
+    Its connections give up within ``redislock_enqueue_timeout``; give-backs
+    (:func:`take_back_value`) go through the task's own store, whose releases
+    publish a hand-off.
+    """
+    return settings.enqueue_backend or settings.backend
 
 
 def publish_once(
@@ -86,7 +96,7 @@ def publish_once(
     ttl = settings.enqueue_ttl + seconds_until(options.get("eta") or options.get("countdown"))
     headers = {**(options.pop("headers", None) or {}), QUEUED_TOKEN_HEADER: token}
     try:
-        result = settings.backend.acquire(key, token, max(int(ttl * 1000), 1))
+        result = _producer_store(settings).acquire(key, token, max(int(ttl * 1000), 1))
     except LockBackendError as exc:
         # Never drop the task: publish it. The acquire may have run after
         # all (a late reply), so the message lists its token as one to
@@ -135,7 +145,7 @@ def _publish_debounced(
     """
     task_id = options.pop("task_id", None) or uuid()
     try:
-        new, burst_id, due = settings.backend.debounce(
+        new, burst_id, due = _producer_store(settings).debounce(
             key,
             task_id,
             max(int(settings.debounce * 1000), 1),
@@ -153,7 +163,7 @@ def _publish_debounced(
     except BaseException:
         # Interrupted: the record may name a run never published.
         with contextlib.suppress(Exception):
-            settings.backend.debounce_due(key, task_id, forget=True)
+            _producer_store(settings).debounce_due(key, task_id, forget=True)
         raise
     if not new:
         logger.debug("%s[%s] joins the debounced run %s of %s", task.name, task_id, burst_id, key)
@@ -175,7 +185,7 @@ def _publish_debounced(
         )
     except BaseException:
         with contextlib.suppress(Exception):
-            settings.backend.debounce_due(key, task_id, forget=True)  # nothing was queued
+            _producer_store(settings).debounce_due(key, task_id, forget=True)  # nothing was queued
         raise
 
 

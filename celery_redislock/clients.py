@@ -16,6 +16,7 @@ from urllib.parse import unquote, urlsplit
 import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.cluster import RedisCluster
+from redis.connection import parse_url
 from redis.retry import Retry
 from redis.sentinel import Sentinel
 
@@ -27,11 +28,15 @@ __all__ = [
     "DEFAULT_OPTIONS",
     "DEFAULT_RETRIES",
     "DEFAULT_RETRY_BACKOFF_CAP",
+    "URL_SCHEMES",
     "ClientSource",
+    "bounded_options",
     "build_client",
+    "check_url",
     "client_source",
     "default_retry",
     "describe_client",
+    "url_error_detail",
 ]
 
 DEFAULT_OPTIONS: Mapping[str, Any] = {
@@ -41,9 +46,40 @@ DEFAULT_OPTIONS: Mapping[str, Any] = {
     "health_check_interval": 30,
 }
 
+#: The schemes a lock-store URL may have (what :func:`build_client` builds a client for).
+URL_SCHEMES = ("redis", "rediss", "unix", "sentinel", "redis+cluster", "rediss+cluster")
+
 #: The command retry policy when none is given: 2 quick retries.
 DEFAULT_RETRY_BACKOFF_CAP = 0.2
 DEFAULT_RETRIES = 2
+
+
+def bounded_options(options: Mapping[str, Any], bound: float) -> dict[str, Any]:
+    """``options`` for a caller that must never wait on the store longer than ``bound`` seconds.
+
+    The producer's lock-store calls (``delay()`` of a ``lock_enqueue`` or
+    debounced task) use them. Connecting and each reply get half of
+    ``bound``, and nothing is retried (neither by the command nor by
+    redis-py's connect), so one call gives up within ``bound`` when the store
+    accepts connections and never answers (frozen), does not accept them
+    (unreachable host), or both in turn. Sentinels asked for the master get
+    the same timeouts; each one asked adds to it.
+    """
+    half = bound / 2
+    bounded = {
+        **options,
+        "socket_timeout": half,
+        "socket_connect_timeout": half,
+        "retry": Retry(NoBackoff(), 0),
+    }
+    if options.get("sentinel_kwargs") is not None:
+        bounded["sentinel_kwargs"] = {
+            **options["sentinel_kwargs"],
+            "socket_timeout": half,
+            "socket_connect_timeout": half,
+            "retry": Retry(NoBackoff(), 0),
+        }
+    return bounded
 
 
 def default_retry() -> Retry:
@@ -62,17 +98,7 @@ def _sentinel_master(url: str, options: Mapping[str, Any]) -> redis.Redis:
     ``READONLY`` reply, so the client follows a failover by itself.
     """
     parsed = urlsplit(url)
-    path = [part for part in parsed.path.split("/") if part]
-    if not path or len(path) > 2:
-        raise ValueError("expected sentinel://host:port[,host:port...]/service_name[/db]")
-    service, db = path[0], int(path[1]) if len(path) > 1 else 0
-    hosts = parsed.netloc.rpartition("@")[2]
-    sentinels = []
-    for address in hosts.split(","):
-        host, _, port = address.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"sentinel address {address!r} is not host:port")
-        sentinels.append((host, int(port)))
+    sentinels, service, db = _sentinel_parts(url)
     options = dict(options)
     sentinel_kwargs = options.pop("sentinel_kwargs", None)
     if sentinel_kwargs is None:
@@ -95,6 +121,67 @@ def _sentinel_master(url: str, options: Mapping[str, Any]) -> redis.Redis:
     return master
 
 
+def _sentinel_parts(url: str) -> tuple[list[tuple[str, int]], str, int]:
+    """The sentinels' addresses, the service name and the database of a ``sentinel://`` URL.
+
+    Raises:
+        ValueError: the URL has no service, or an address is not host:port.
+    """
+    parsed = urlsplit(url)
+    path = [part for part in parsed.path.split("/") if part]
+    if not path or len(path) > 2 or (len(path) > 1 and not path[1].isdigit()):
+        raise ValueError("expected sentinel://host:port[,host:port...]/service_name[/db]")
+    service, db = path[0], int(path[1]) if len(path) > 1 else 0
+    hosts = parsed.netloc.rpartition("@")[2]
+    sentinels = []
+    for address in hosts.split(","):
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"sentinel address {address!r} is not host:port")
+        sentinels.append((host, int(port)))
+    return sentinels, service, db
+
+
+def check_url(url: str) -> None:
+    """Parse ``url`` as :func:`build_client` does, without connecting to anything.
+
+    The scheme, the port, the database number, the query options and a
+    Sentinel URL's addresses and service are checked: what would otherwise
+    fail only at the first lock operation (or, for a database path that is
+    not a number, be ignored by redis-py, which then uses database 0).
+
+    Raises:
+        ValueError: the URL cannot name a Redis server; the message may quote
+            the URL (see :func:`url_error_detail`).
+    """
+    scheme, _, rest = url.partition("://")
+    if scheme not in URL_SCHEMES:
+        raise ValueError(f"the scheme {scheme!r} is not one of {', '.join(URL_SCHEMES)}")
+    if scheme == "sentinel":
+        _sentinel_parts(url)
+        return
+    base = scheme.split("+")[0]
+    parse_url(f"{base}://{rest}")  # type: ignore[no-untyped-call]
+    if base == "unix":
+        return  # the database is a query option (?db=2), which parse_url checked
+    database = urlsplit(f"{base}://{rest}").path.strip("/")
+    if database and not database.isdigit():
+        raise ValueError(f"the database must be a number (redis://host:port/2), got {database!r}")
+    if database and int(database) != 0 and scheme.endswith("+cluster"):
+        raise ValueError("Redis Cluster has only database 0")
+
+
+def url_error_detail(url: str, error: Exception) -> str:
+    """What to say about ``error``, raised while parsing ``url``, without quoting a password."""
+    if has_credentials(url):
+        # redis-py's message may quote a piece of a password it misparsed.
+        return (
+            f"it is not a valid Redis URL ({type(error).__name__}); check the host, port "
+            "and database number, and percent-encode / ? # and @ in the password"
+        )
+    return str(error)
+
+
 def build_client(url: str, options: Mapping[str, Any]) -> redis.Redis | RedisCluster:
     """Build the redis-py client a lock store URL names.
 
@@ -110,14 +197,7 @@ def build_client(url: str, options: Mapping[str, Any]) -> redis.Redis | RedisClu
             return RedisCluster.from_url(f"{base}://{rest}", **options)
         return redis.Redis.from_url(url, **options)
     except (ValueError, TypeError) as exc:
-        if has_credentials(url):
-            # redis-py's message may quote a piece of a password it misparsed.
-            detail = (
-                f"it is not a valid Redis URL ({type(exc).__name__}); check the host, port "
-                "and database number, and percent-encode / ? # and @ in the password"
-            )
-        else:
-            detail = str(exc)
+        detail = url_error_detail(url, exc)
         error = LockBackendError(f"cannot use redislock_url {mask_url(url)!r}: {detail}")
         # Not chained when credentials are present: the cause quotes the URL.
         raise error from (None if has_credentials(url) else exc)

@@ -29,7 +29,7 @@ from celery_redislock.headers import (
 )
 from celery_redislock.keys import queued_key
 from celery_redislock.pending import Member, PendingIndex
-from celery_redislock.store import AcquireResult
+from celery_redislock.store import AcquireResult, LockStore
 from celery_redislock.takeback import take_back_value
 from celery_redislock.tokens import LockValue
 
@@ -47,6 +47,16 @@ logger = logging.getLogger("celery_redislock.task")
 _BYPASS_OPTIONS = ("chord", "group_id", "chain", "link", "link_error")
 
 Publish = Callable[..., Any]
+
+
+def _producer_store(settings: TaskSettings) -> LockStore:
+    """The store of the calls ``delay()`` makes before publishing.
+
+    Its connections give up within ``redislock_enqueue_timeout``; give-backs
+    (:func:`take_back_value`) go through the task's own store, whose releases
+    publish a hand-off.
+    """
+    return settings.enqueue_backend or settings.backend
 
 
 def publish_once(
@@ -108,7 +118,7 @@ def publish_once(
                 },
             )
         else:
-            result = settings.backend.acquire(key, token, max(int(ttl * 1000), 1))
+            result = _producer_store(settings).acquire(key, token, max(int(ttl * 1000), 1))
     except LockBackendError as exc:
         # Never drop the task: publish it. The acquire may have run after
         # all (a late reply), so the message lists its token as one to
@@ -184,7 +194,7 @@ def _queue_run(
 ) -> AcquireResult:
     """Take ``key``'s queued key for a coalesced run and keep its message (one round trip)."""
     handoff, message = stored_message(task, args, kwargs, task_id, options, options["headers"])
-    pending = PendingIndex(settings.backend, settings.app.key_prefix)
+    pending = PendingIndex(_producer_store(settings), settings.app.key_prefix)
     queued, holder, remaining = pending.queue_run(
         key,
         token,
@@ -226,9 +236,9 @@ def _publish_debounced(
         options,
         {**(options.get("headers") or {}), DEBOUNCE_HEADER: True},
     )
-    pending = PendingIndex(settings.backend, settings.app.key_prefix)
+    pending = PendingIndex(_producer_store(settings), settings.app.key_prefix)
     try:
-        new, burst_id, due = settings.backend.debounce(
+        new, burst_id, due = _producer_store(settings).debounce(
             key,
             task_id,
             window_ms,
@@ -250,7 +260,7 @@ def _publish_debounced(
     except BaseException:
         # Interrupted: the record may name a run never published.
         with contextlib.suppress(Exception):
-            settings.backend.debounce_due(key, task_id, forget=True)
+            _producer_store(settings).debounce_due(key, task_id, forget=True)
         raise
     if not new:
         logger.debug("%s[%s] joins the debounced run %s of %s", task.name, task_id, burst_id, key)
@@ -272,7 +282,7 @@ def _publish_debounced(
         )
     except BaseException:
         with contextlib.suppress(Exception):
-            settings.backend.debounce_due(key, task_id, forget=True)  # nothing was queued
+            _producer_store(settings).debounce_due(key, task_id, forget=True)  # nothing was queued
         raise
 
 

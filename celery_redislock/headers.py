@@ -15,6 +15,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from celery.utils.time import maybe_iso8601, maybe_make_aware
+from kombu.exceptions import EncodeError
 from kombu.serialization import dumps as kombu_dumps
 from kombu.serialization import loads as kombu_loads
 
@@ -32,6 +33,7 @@ __all__ = [
     "QUEUED_TOKEN_HEADER",
     "REDELIVERED_HEADER",
     "UNSETTLED_HEADER",
+    "LockKeyEncodeError",
     "as_received",
     "own_values",
     "queued_token",
@@ -114,6 +116,16 @@ def seconds_until(when: Any) -> float:
     return 0.0
 
 
+class LockKeyEncodeError(LockKeyError, EncodeError):
+    """The task's serializer refuses the arguments: no key, and nothing is published.
+
+    Both the package's :class:`~celery_redislock.exceptions.LockKeyError`
+    (a ``TypeError``) and kombu's ``EncodeError``, which Celery raises from
+    ``delay()`` of a task without the lock for the same arguments: code
+    that catches either around ``delay()`` catches it.
+    """
+
+
 def as_received(
     args: Sequence[Any], kwargs: Mapping[str, Any], serializer: str | None, task_name: str
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -124,15 +136,23 @@ def as_received(
     float gave one key in the producer and another in the worker).
 
     Raises:
-        LockKeyError: the serializer refuses the arguments.
+        LockKeyEncodeError: the serializer refuses the arguments (kombu's
+            ``EncodeError``, as a task without the lock raises at publish).
+        LockKeyError: the serialized arguments cannot be read back.
     """
     try:
         content_type, encoding, body = kombu_dumps(
             (list(args), dict(kwargs)), serializer=serializer or "json"
         )
+    except Exception as exc:
+        raise LockKeyEncodeError(
+            f"{task_name}: the arguments cannot be sent with the {serializer!r} serializer: {exc}"
+        ) from exc
+    try:
         received = kombu_loads(body, content_type, encoding, accept={content_type})
     except Exception as exc:
         raise LockKeyError(
-            f"{task_name}: the arguments cannot be sent with the {serializer!r} serializer: {exc}"
+            f"{task_name}: the arguments cannot be read back with the {serializer!r} "
+            f"serializer: {exc}"
         ) from exc
     return tuple(received[0]), dict(received[1])

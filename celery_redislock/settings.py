@@ -1,8 +1,9 @@
 """Settings, read in one place: task attribute, else app setting, else default.
 
 :data:`SETTINGS` is the one list of app settings (name, task attribute,
-default, doc, validator): the readers, :func:`validate_app_settings`, the
-task-option checks and the docs all come from it. Every setting is checked
+default, doc, validator; the validators are in validators.py): the
+readers, :func:`validate_app_settings`, the task-option checks and the docs
+all come from it. Every setting is checked
 when an app's settings are first read (a worker does it at start, see
 startup.py; a producer at its first ``delay()``), all at once.
 
@@ -20,17 +21,35 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Set
 from dataclasses import dataclass, field
 from difflib import get_close_matches
 from typing import TYPE_CHECKING, Any
 
-from celery.utils.imports import symbol_by_name
-
+from celery_redislock.clients import bounded_options
 from celery_redislock.exceptions import ConfigurationError
 from celery_redislock.handoff import publisher as handoff_publisher
 from celery_redislock.policies import ContentionPolicy, resolve_policy
 from celery_redislock.store import LockStore
+from celery_redislock.validators import (
+    check_limit_combination,
+    unknown_option_errors,
+    validate_backend_error_mode,
+    validate_count,
+    validate_debounce,
+    validate_enqueue_mode,
+    validate_flag,
+    validate_hold,
+    validate_key_prefix,
+    validate_limit,
+    validate_lost_mode,
+    validate_max_wait,
+    validate_policy,
+    validate_redis_options,
+    validate_store_class,
+    validate_ttl,
+    validate_url,
+)
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -39,6 +58,7 @@ __all__ = [
     "DEFAULTS",
     "SETTINGS",
     "SETTINGS_BY_NAME",
+    "TASK_OPTIONS",
     "AppSettings",
     "SettingSpec",
     "TaskSettings",
@@ -56,200 +76,6 @@ __all__ = [
 
 # The documented logger name (the module was config.py).
 logger = logging.getLogger("celery_redislock.config")
-
-
-def validate_ttl(ttl: Any, where: str) -> float:
-    """Return ``ttl`` as seconds, or raise :class:`ConfigurationError`."""
-    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)):
-        raise ConfigurationError(f"{where} must be a number of seconds, got {ttl!r}")
-    if not ttl > 0 or ttl != ttl or ttl == float("inf"):
-        raise ConfigurationError(
-            f"{where} must be a positive, finite number of seconds, got {ttl!r}"
-        )
-    if ttl < 0.01:
-        raise ConfigurationError(f"{where} must be at least 0.01 seconds, got {ttl!r}")
-    return float(ttl)
-
-
-BACKEND_ERROR_MODES = ("fail", "run")
-
-
-def did_you_mean(value: Any, choices: Sequence[str]) -> str:
-    """``"; did you mean 'x'?"`` when ``value`` is a string close to one of ``choices``."""
-    if not isinstance(value, str):
-        return ""
-    guesses = get_close_matches(value.lower(), list(choices), n=1, cutoff=0.6)
-    return f"; did you mean {guesses[0]!r}?" if guesses else ""
-
-
-def validate_backend_error_mode(value: Any, where: str) -> str:
-    """Return ``value`` if it is ``"fail"`` or ``"run"``, else raise."""
-    if value not in BACKEND_ERROR_MODES:
-        raise ConfigurationError(
-            f"{where} must be 'fail' or 'run', got {value!r}"
-            + did_you_mean(value, BACKEND_ERROR_MODES)
-        )
-    return str(value)
-
-
-LOST_MODES = ("report", "abort")
-
-
-def validate_lost_mode(value: Any, where: str) -> str:
-    """Return ``value`` if it is ``"report"`` or ``"abort"``, else raise."""
-    if value not in LOST_MODES:
-        raise ConfigurationError(
-            f"{where} must be 'report' or 'abort', got {value!r}" + did_you_mean(value, LOST_MODES)
-        )
-    return str(value)
-
-
-def validate_count(value: Any, where: str) -> int:
-    """Return ``value`` if it is an int >= 0, else raise."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigurationError(f"{where} must be an int >= 0, got {value!r}")
-    return value
-
-
-#: The values of ``lock_enqueue``: off, held until the run ends, held until it starts.
-ENQUEUE_MODES = ("off", "until_done", "until_start")
-
-
-def validate_enqueue_mode(value: Any, where: str) -> str:
-    """Return the enqueue-time dedup mode: ``"off"``, ``"until_done"`` or ``"until_start"``.
-
-    ``False``/``True`` are ``"off"``/``"until_done"`` (the original meaning).
-    """
-    if value is None or (isinstance(value, int) and value in (0, 1)):  # bools too
-        return "until_done" if value else "off"
-    if isinstance(value, str) and value in ENQUEUE_MODES:
-        return value
-    raise ConfigurationError(
-        f"{where} must be False, True, 'until_done' or 'until_start', got {value!r}"
-    )
-
-
-def validate_debounce(value: Any, where: str) -> float:
-    """Return a debounce window in seconds (0 = off), else raise."""
-    return validate_hold(value, where)
-
-
-def validate_max_wait(value: Any, where: str) -> float | None:
-    """Return a debounce cap in seconds, or None (ten windows), else raise."""
-    return None if value is None else validate_ttl(value, where)
-
-
-def validate_limit(value: Any, where: str) -> int:
-    """Return ``value`` if it is an int >= 1 (executions per key at once), else raise."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigurationError(
-            f"{where} must be a positive int (executions per key at once), got {value!r}"
-        )
-    return value
-
-
-def check_limit_combination(limit: int, enqueue: bool, hold: float, where: str) -> None:
-    """Refuse the settings not defined together with ``lock_limit`` > 1.
-
-    ``lock_enqueue`` deduplicates a call against the one queued or running
-    call of its key, and ``lock_hold_after_success`` keeps that one call's
-    window: neither says what it means with N slots, so the combination is
-    refused rather than given a meaning nobody asked for. (Coalescing,
-    ``lock_enqueue="until_start"``, keeps one *queued* call per key, which
-    runs when any slot frees: allowed, as are ``HandOff`` and debounce.)
-
-    Raises:
-        ConfigurationError: ``limit`` > 1 with either of them on.
-    """
-    if limit <= 1:
-        return
-    if enqueue:
-        raise ConfigurationError(
-            f"{where}: lock_limit={limit} cannot be combined with lock_enqueue=True "
-            "(it keeps one queued or running call per key; lock_enqueue='until_start' "
-            "works with slots); turn one of them off"
-        )
-    if hold:
-        raise ConfigurationError(
-            f"{where}: lock_limit={limit} cannot be combined with lock_hold_after_success "
-            "(the idempotency window is one kept value per key); turn one of them off"
-        )
-
-
-def validate_hold(value: Any, where: str) -> float:
-    """Return ``value`` as seconds >= 0 (0 turns it off: no window, no kept counter), else raise."""
-    if value == 0:  # False too: "no window"
-        return 0.0
-    return validate_ttl(value, where)
-
-
-def validate_flag(value: Any, where: str) -> bool:
-    """Return ``value`` if it is a bool (or the int 0 or 1), else raise.
-
-    A string such as ``"false"`` (an environment variable read as it is)
-    would be true, so it is refused rather than guessed at.
-    """
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    raise ConfigurationError(f"{where} must be True or False, got {value!r}")
-
-
-def validate_key_prefix(value: Any, where: str) -> str:
-    """Return ``value`` if it is a non-empty str without braces, else raise.
-
-    Braces would make a Redis Cluster hash tag of the prefix, and the keys
-    kept beside a lock (fence, hand-off) could land in another slot.
-    """
-    if not isinstance(value, str) or not value:
-        raise ConfigurationError(f"{where} must be a non-empty str, got {value!r}")
-    if "{" in value or "}" in value:
-        raise ConfigurationError(f"{where} must not contain braces, got {value!r}")
-    return value
-
-
-def validate_redis_options(value: Any, where: str) -> dict[str, Any]:
-    """Return a copy of ``value`` if it is a mapping (of redis-py options), else raise."""
-    if not isinstance(value, Mapping):
-        raise ConfigurationError(f"{where} must be a dict, got {value!r}")
-    return dict(value)
-
-
-def validate_url(value: Any, where: str) -> str | None:
-    """Return ``value`` if it is a URL (or None: see :func:`app_settings`), else raise.
-
-    The message never shows a password.
-    """
-    if value is None:
-        return None
-    if not isinstance(value, str) or "://" not in value:
-        shown = value
-        if isinstance(value, str) and "@" in value:
-            # No scheme, so no reading of it is safe: keep only what follows the "@".
-            shown = f"**@{value.rpartition('@')[2]}"
-        raise ConfigurationError(f"{where} must be a redis:// URL, got {shown!r}")
-    return value
-
-
-def validate_store_class(value: Any, where: str) -> type[LockStore]:
-    """A :class:`LockStore` subclass, or its ``"module:Class"`` path (None: LockStore)."""
-    if value is None:
-        return LockStore
-    found = value
-    if isinstance(value, str):
-        try:
-            found = symbol_by_name(value)
-        except (ImportError, AttributeError, ValueError) as exc:
-            raise ConfigurationError(f"{where} {value!r} cannot be imported: {exc}") from exc
-    if not (isinstance(found, type) and issubclass(found, LockStore)):
-        raise ConfigurationError(f"{where} must be a subclass of LockStore, got {value!r}")
-    return found
-
-
-def validate_policy(value: Any, where: str) -> ContentionPolicy:
-    """Return the policy ``value`` names (or is), else raise."""
-    return resolve_policy(value, where)
 
 
 @dataclass(frozen=True)
@@ -410,6 +236,17 @@ SETTINGS: tuple[SettingSpec, ...] = (
         "A duplicate `delay()` raises `AlreadyQueued` instead of returning the holder's "
         "`AsyncResult`.",
         validate_flag,
+    ),
+    SettingSpec(
+        "redislock_enqueue_timeout",
+        None,
+        1.0,
+        "Longest wait, seconds, of `delay()`/`apply_async` on the lock store for a "
+        "`lock_enqueue` or debounced task (connecting and the reply get half each, no "
+        "retry). After it the call is published without its enqueue lock or debounce, "
+        "never dropped; the run-time lock still keeps runs apart.",
+        validate_ttl,
+        default_doc="`1`",
     ),
     SettingSpec(
         "redislock_debounce",
@@ -619,6 +456,10 @@ class AppSettings:
     limit: int = 1
     recover_on_start: bool = True
     sweep_interval: float = 1.0
+    enqueue_timeout: float = 1.0
+    #: The producer's store: the same server, its calls bounded by
+    #: ``enqueue_timeout`` (None: ``backend``).
+    enqueue_backend: LockStore | None = field(default=None, compare=False, repr=False)
 
 
 _CACHE: weakref.WeakKeyDictionary[Celery, AppSettings] = weakref.WeakKeyDictionary()
@@ -675,6 +516,15 @@ def _read(app: Celery) -> AppSettings:
             renew_timeout=renew_timeout,
             fence_ttl=values["redislock_fence_ttl"],
         ),
+        enqueue_timeout=values["redislock_enqueue_timeout"],
+        # Connections of its own: a web request's delay() must not wait out
+        # the commands' 5 s timeouts and retries (15 s against a frozen store).
+        enqueue_backend=values["redislock_store_class"](
+            url,
+            bounded_options(options, values["redislock_enqueue_timeout"]),
+            renew_timeout=renew_timeout,
+            fence_ttl=values["redislock_fence_ttl"],
+        ),
     )
 
 
@@ -707,6 +557,8 @@ def forget_app_settings(app: Celery) -> None:
         settings = _CACHE.pop(app, None)
     if settings is not None:
         settings.backend.close()
+        if settings.enqueue_backend is not None:
+            settings.enqueue_backend.close()
 
 
 @dataclass(frozen=True)
@@ -732,6 +584,8 @@ class TaskSettings:
     min_replicas: int
     min_replicas_timeout: float
     limit: int = 1
+    #: The store of the producer's calls (``delay()``), bounded by ``redislock_enqueue_timeout``.
+    enqueue_backend: LockStore | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def merge(cls, task: Any, app: AppSettings) -> TaskSettings:
@@ -753,6 +607,7 @@ class TaskSettings:
         return cls(
             app=app,
             backend=app.backend,
+            enqueue_backend=app.enqueue_backend or app.backend,
             enabled=bool(pick("lock_enabled", app.enabled)),
             ttl=ttl,
             ttl_ms=max(int(ttl * 1000), 1),
@@ -774,19 +629,48 @@ class TaskSettings:
         )
 
 
-def validate_task_options(cls: type, where: str) -> None:
+#: Every task option: the settings' task attributes, and the two that make the key.
+TASK_OPTIONS: tuple[str, ...] = (
+    "lock_args",
+    "lock_key",
+    *(spec.task_attribute for spec in SETTINGS if spec.task_attribute is not None),
+)
+
+
+def validate_task_options(
+    cls: type, where: str, defined: Mapping[str, Any] | None = None, helpers: Set[str] = frozenset()
+) -> None:
     """Check a task class's ``lock_*`` options when the class is made, not when it runs.
 
+    Args:
+        cls: The task class.
+        where: ``"task <name>"``, the start of every message.
+        defined: The ``lock_*`` names the task's own classes define, with
+            their values: each must be an option (or one of ``helpers``).
+        helpers: ``lock_*`` names of the package's task classes that are not
+            options (``lock_key_for``), which a task may override.
+
     Raises:
-        ConfigurationError: an option has a bad value, or ``lock_args`` and
-            ``lock_key`` are both set.
+        ConfigurationError: a ``lock_*`` name is not an option (with the
+            closest option), an option has a bad value (every one of those
+            at once), or two options are set that do not go together.
     """
+    unknown = {name: value for name, value in (defined or {}).items() if name not in helpers}
+    errors = unknown_option_errors(unknown, TASK_OPTIONS)
     for spec in SETTINGS:
         if spec.task_attribute is None:
             continue
         value = getattr(cls, spec.task_attribute, None)
         if value is not None:
-            spec.validate(value, f"{where}: {spec.task_attribute}")
+            try:
+                spec.validate(value, spec.task_attribute)
+            except ConfigurationError as exc:
+                errors.append(str(exc))
+    if len(errors) == 1:
+        raise ConfigurationError(f"{where}: {errors[0]}")
+    if errors:
+        listed = "".join(f"\n  - {error}" for error in errors)
+        raise ConfigurationError(f"{len(errors)} options of {where} are wrong:{listed}")
     if getattr(cls, "lock_debounce", None) and getattr(cls, "lock_enqueue", None):
         raise ConfigurationError(
             f"{where}: set lock_debounce or lock_enqueue, not both (a debounced call "

@@ -33,7 +33,9 @@ from celery import Task
 from celery.exceptions import Retry as CeleryRetry
 
 from celery_redislock._local import ExecutionStack
+from celery_redislock.command_line import stop_celery_command
 from celery_redislock.enqueue import publish_once
+from celery_redislock.exceptions import ConfigurationError
 from celery_redislock.execution import CONTENTION_EVENT, Execution
 from celery_redislock.headers import (
     BACKEND_RETRIES_HEADER,
@@ -53,6 +55,7 @@ from celery_redislock.keys import (
 from celery_redislock.lease import LockHandle
 from celery_redislock.policies import ContentionPolicy
 from celery_redislock.settings import (
+    TASK_OPTIONS,
     AppSettings,
     TaskSettings,
     app_settings,
@@ -179,9 +182,13 @@ class SingletonTaskMixin(_TaskBase):
         cls._redislock_signature = signature = _run_signature(cls)
         cls._redislock_plain_names = None if signature is None else plain_parameter_names(signature)
         cls._redislock_held = ExecutionStack()
-        validate_task_options(cls, where)
-        if cls.lock_args is not None and cls._redislock_signature is not None:
-            validate_lock_args(cls._redislock_signature, cls.lock_args, where)
+        try:
+            validate_task_options(cls, where, _lock_names(cls), _HELPERS)
+            if cls.lock_args is not None and cls._redislock_signature is not None:
+                validate_lock_args(cls._redislock_signature, cls.lock_args, where)
+        except ConfigurationError as exc:
+            stop_celery_command(exc)  # under `celery worker`: one CRITICAL line, exit 1
+            raise
 
     # -- public helpers ----------------------------------------------------------
 
@@ -310,6 +317,29 @@ class SingletonTaskMixin(_TaskBase):
         the loss is already logged, signalled and visible as
         ``self.lock.lost``.
         """
+
+
+#: ``lock_*`` names of the mixin that are not options (its helpers), which a task may override.
+_HELPERS = frozenset(
+    name for name in vars(SingletonTaskMixin) if name.startswith("lock_")
+) - frozenset(TASK_OPTIONS)
+
+
+def _lock_names(cls: type) -> dict[str, Any]:
+    """The ``lock_*`` names (with values) set by the task's classes, the mixin's left out.
+
+    Only the singleton classes' own: ``@app.task(lock_tll=10)`` puts its
+    options on the class Celery makes; a class statement puts its attributes
+    on itself. A ``lock_*`` name of another base (not a singleton task) is
+    that base's business.
+    """
+    return {
+        name: value
+        for klass in reversed(cls.__mro__)
+        if issubclass(klass, SingletonTaskMixin) and klass is not SingletonTaskMixin
+        for name, value in vars(klass).items()
+        if name.startswith("lock_")
+    }
 
 
 class SingletonTask(SingletonTaskMixin, _Task):

@@ -93,7 +93,10 @@ REFERENCE: dict[str, tuple[str, list[str]]] = {
         ["celery_redislock.lock", "celery_redislock.aiolock", "celery_redislock.aiostore"],
     ),
     "reference/store.md": ("Lock store", ["celery_redislock.store"]),
-    "reference/settings.md": ("Settings module", ["celery_redislock.settings"]),
+    "reference/settings.md": (
+        "Settings module",
+        ["celery_redislock.settings", "celery_redislock.validators"],
+    ),
     "reference/exceptions.md": ("Exceptions", ["celery_redislock.exceptions"]),
     "reference/signals.md": ("Signals", ["celery_redislock.signals"]),
     "reference/fencing.md": ("Fencing", ["celery_redislock.fencing"]),
@@ -173,7 +176,7 @@ def headings(text: str) -> list[str]:
 
 def settings_page() -> str:
     """The settings reference, built from ``celery_redislock.settings.SETTINGS``."""
-    from celery_redislock import settings
+    from celery_redislock import settings, validators
 
     lines = [
         "Generated from `celery_redislock.settings.SETTINGS`, the one registry the",
@@ -188,7 +191,7 @@ def settings_page() -> str:
     specs: Any = getattr(settings, "SETTINGS", None)
     if specs is None:
         raise SystemExit("docs/gen_pages.py: celery_redislock.settings has no SETTINGS registry")
-    public = set(getattr(settings, "__all__", ()))
+    public = set(getattr(validators, "__all__", ()))
     for spec in specs:
         attribute = f"`{spec.task_attribute}`" if spec.task_attribute else "—"
         default = getattr(spec, "shown_default", f"`{spec.default!r}`")
@@ -203,7 +206,7 @@ def settings_page() -> str:
         validator = getattr(spec.validate, "__name__", "")
         if validator in public:
             # A cross-reference: renaming the validator breaks the strict build.
-            target = f"celery_redislock.settings.{validator}"
+            target = f"celery_redislock.validators.{validator}"
             lines.append(f"* Checked by [`{validator}`][{target}]")
         lines.append("")
     return "\n".join(lines)

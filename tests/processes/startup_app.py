@@ -2,7 +2,11 @@
 
 REDISLOCK_TEST_URL is the base redis:// URL of the test's server (broker and
 results); REDISLOCK_TEST_LOCK_URL the lock store; REDISLOCK_TEST_CONF a JSON
-object of extra settings (the bad ones under test).
+object of extra settings (the bad ones under test); REDISLOCK_TEST_TASK_OPTIONS
+a JSON object of options for the task's ``@app.task(...)`` (class made when
+the worker finalizes the app) and REDISLOCK_TEST_BASE_OPTIONS one of
+attributes of a task base class defined here (class made when the module is
+imported, as Celery's command line loads the app).
 """
 
 from __future__ import annotations
@@ -27,6 +31,11 @@ app.conf.update(
 app.conf.update(json.loads(os.environ.get("REDISLOCK_TEST_CONF", "{}")))
 
 
-@app.task(base=SingletonTask)
+Base = type(
+    "Base", (SingletonTask,), json.loads(os.environ.get("REDISLOCK_TEST_BASE_OPTIONS", "{}"))
+)
+
+
+@app.task(base=Base, **json.loads(os.environ.get("REDISLOCK_TEST_TASK_OPTIONS", "{}")))
 def job() -> str:
     return "ran"

@@ -60,3 +60,83 @@ def test_unreachable_store_is_logged_once_and_celery_worker_still_starts(
     assert f"redis://127.0.0.1:{closed_port}/0 is unavailable" in warnings[0]
     assert "The worker starts anyway" in warnings[0]
     assert "s3cret" not in log
+
+
+def _start_and_fail(server: RedisServer, **env: str) -> subprocess.CompletedProcess[str]:
+    """Run `celery worker` on the start-up app until it exits (it must, before ready)."""
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "REDISLOCK_TEST_URL": server.url, **env}
+    command = [sys.executable, "-m", "celery", "-A", APP, "worker", "-P", "solo", "-l", "info"]
+    command += ["--without-heartbeat", "--without-mingle", "--without-gossip"]
+    return subprocess.run(
+        command, env=full_env, cwd=str(ROOT), capture_output=True, text=True, timeout=60
+    )
+
+
+def _the_one_line(done: subprocess.CompletedProcess[str]) -> str:
+    """The worker's one CRITICAL line; it must have exited 1, before ready, without a traceback."""
+    assert done.returncode == 1, done.stdout + done.stderr
+    output = done.stdout + done.stderr
+    assert "Traceback" not in output and "ready." not in output, output
+    lines = [line for line in output.splitlines() if "celery-redislock" in line]
+    assert len(lines) == 1, output
+    assert "CRITICAL/MainProcess] celery-redislock: the worker cannot start: " in lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        ({"lock_ttl": -1}, "task tests.processes.startup_app.job: lock_ttl must be a positive"),
+        (
+            {"lock_on_contention": "skipp"},
+            "task tests.processes.startup_app.job: lock_on_contention must be one of",
+        ),
+        (
+            {"lock_tll": 10},
+            "task tests.processes.startup_app.job: lock_tll=10 is not a celery-redislock "
+            "task option; did you mean lock_ttl?",
+        ),
+        (
+            {"lock_enqueue": "until-start"},
+            "lock_enqueue must be False, True, 'until_done' or 'until_start', got "
+            "'until-start'; did you mean 'until_start'?",
+        ),
+    ],
+)
+def test_a_bad_task_option_stops_celery_worker_with_one_line(
+    server: RedisServer, options: dict[str, object], expected: str
+) -> None:
+    # The @app.task class is made when the worker finalizes the app, before
+    # it set up logging: it used to print a 57-line traceback.
+    line = _the_one_line(_start_and_fail(server, REDISLOCK_TEST_TASK_OPTIONS=json.dumps(options)))
+    assert expected in line
+    if "lock_on_contention" in options:
+        assert line.endswith("got 'skipp'; did you mean 'skip'?")
+
+
+def test_a_bad_attribute_of_a_task_class_stops_celery_worker_with_one_line(
+    server: RedisServer,
+) -> None:
+    # This class is made while Celery's command line imports the app module,
+    # which reports an Exception there with its traceback (and status 2).
+    done = _start_and_fail(server, REDISLOCK_TEST_BASE_OPTIONS=json.dumps({"lock_arg": ["x"]}))
+    line = _the_one_line(done)
+    assert line.endswith(
+        "task Base: lock_arg=['x'] is not a celery-redislock task option; did you mean lock_args?"
+    )
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("http://127.0.0.1:{port}/2", "cannot name a Redis server: use redis://, rediss://"),
+        ("redis://127.0.0.1:{port}/two", "the database must be a number"),
+    ],
+)
+def test_a_url_that_cannot_name_a_redis_server_stops_celery_worker(
+    server: RedisServer, url: str, expected: str
+) -> None:
+    # It used to start, and every task retried for 204 s before failing.
+    lock_url = url.format(port=server.port)
+    line = _the_one_line(_start_and_fail(server, REDISLOCK_TEST_LOCK_URL=lock_url))
+    assert f"redislock_url {lock_url!r}" in line and expected in line

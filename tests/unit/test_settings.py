@@ -145,7 +145,11 @@ def test_registry_is_the_one_list_of_settings() -> None:
     assert dict(DEFAULTS) == {spec.name: spec.default for spec in SETTINGS}
     assert all(spec.doc and spec.shown_default for spec in SETTINGS)
     # Every AppSettings field (but the store it builds) is one registry entry.
-    fields = {field.name for field in dataclasses.fields(AppSettings)} - {"backend", "url"}
+    fields = {field.name for field in dataclasses.fields(AppSettings)} - {
+        "backend",
+        "enqueue_backend",
+        "url",
+    }
     assert {f"redislock_{field}" for field in fields} <= set(names)
     # Every task attribute the merge reads is declared on the task class.
     attributes = [spec.task_attribute for spec in SETTINGS if spec.task_attribute]

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
+from kombu.exceptions import EncodeError
 
 from celery_redislock import ConfigurationError, LockBackendError, LockKeyError, SingletonTask
 from tests.conftest import BROKER_DB, embedded_worker
@@ -42,6 +43,34 @@ def test_unkeyable_argument_at_enqueue_raises_and_publishes_nothing(
 
     with pytest.raises(LockKeyError, match="no stable encoding"):
         job.apply_async((Opaque(),), serializer="pickle")
+    assert server.client(BROKER_DB).llen("tests") == 0
+
+
+def test_a_non_json_argument_raises_kombus_encode_error_with_or_without_the_lock(
+    app: Celery, server: RedisServer
+) -> None:
+    # Code that catches EncodeError around delay() must catch it for every task.
+    @app.task(shared=False)
+    def plain(thing: Any) -> None: ...
+
+    @app.task(base=SingletonTask, shared=False)
+    def locked(thing: Any) -> None: ...
+
+    @app.task(base=SingletonTask, shared=False, lock_enqueue="until_start")
+    def queued_once(thing: Any) -> None: ...
+
+    @app.task(base=SingletonTask, shared=False, lock_debounce=5)
+    def debounced(thing: Any) -> None: ...
+
+    for task in (plain, locked, queued_once, debounced):
+        with pytest.raises(EncodeError) as info:
+            task.delay(Opaque())
+        assert "Opaque" in str(info.value), task.name
+    # The lock's own error is still the one it was (a LockKeyError, a TypeError).
+    with pytest.raises(LockKeyError, match="cannot be sent with the 'json' serializer"):
+        queued_once.delay(Opaque())
+    with pytest.raises(EncodeError):
+        queued_once.lock_key_for((Opaque(),), {})
     assert server.client(BROKER_DB).llen("tests") == 0
 
 

@@ -29,7 +29,12 @@ def test_a_lock_retry_whose_publish_fails_runs_once_the_broker_is_back(
     sweep publishes it once the broker is back; the call runs, once.
     """
     broker: RedisServer = redis_server_factory()
-    app: Celery = app_factory(broker_url=broker.url_for(0), redislock_sweep_interval=0.2)
+    app: Celery = app_factory(
+        broker_url=broker.url_for(0),
+        redislock_sweep_interval=0.2,
+        # Celery warns of its own default here (the broker drops mid-task).
+        worker_cancel_long_running_tasks_on_connection_loss=True,
+    )
 
     @app.task(
         base=SingletonTask,

@@ -42,6 +42,36 @@ def reset_peer_globals() -> None:
         pass
 
 
+def server_cost(server: RedisServer, action: Callable[[], None]) -> tuple[float, float]:
+    """``(µs, commands)`` the lock store's server spent executing during ``action``.
+
+    From its own ``INFO commandstats`` (reset first): the execution time of
+    every command, and how many ran, those a Lua script runs included (its
+    ``EVALSHA`` counts once more: the server's own accounting). What one
+    Redis core can serve is bounded by this time, whatever the clients.
+    The ``CONFIG RESETSTAT`` and ``INFO`` of the measurement are left out.
+    """
+    client = server.client()
+    try:
+        client.config_resetstat()
+        action()
+        stats = client.info("commandstats")
+    finally:
+        client.close()
+    usec = calls = 0.0
+    for name, row in stats.items():
+        if name in (
+            "cmdstat_info",
+            "cmdstat_config|resetstat",
+            "cmdstat_config",
+            "cmdstat_flushall",
+        ):
+            continue
+        usec += float(row["usec"])
+        calls += float(row["calls"])
+    return usec, calls
+
+
 def count_round_trips(server: RedisServer, action: Callable[[], None]) -> int:
     """Top-level commands the lock store received during ``action`` (MONITOR).
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import redis.asyncio
 
-from bench.harness import count_round_trips, peers_available
+from bench.harness import count_round_trips, peers_available, server_cost
 from bench.report import Report
 from celery_redislock import AsyncRedisLock, RedisLock
 from celery_redislock.aiostore import AsyncLockStore
@@ -96,6 +96,9 @@ def lock_cycle(report: Report, rounds: int, seconds: float, distinct: int = 20_0
         for name, cycle in cycles.items():
             trips = count_round_trips(server, lambda c=cycle: [c(i) for i in range(50)])
             report.add(scenario, name, "round trips per cycle", "commands", trips / 50)
+        _server_costs(
+            report, scenario, server, cycles, client, rounds, 200 if seconds < 1 else 20_000
+        )
         for round_no in range(rounds):
             rates: dict[str, float] = {}
             cpu: dict[str, float] = {}
@@ -143,6 +146,51 @@ def lock_cycle(report: Report, rounds: int, seconds: float, distinct: int = 20_0
         loop.run_until_complete(async_client.aclose())
         loop.close()
         server.close()
+
+
+def _server_costs(
+    report: Report,
+    scenario: str,
+    server: RedisServer,
+    cycles: dict[str, Callable[[int], None]],
+    client: redis.Redis,
+    rounds: int,
+    n: int,
+) -> None:
+    """What one uncontended cycle costs the Redis server: µs executing, commands run.
+
+    The method of ``shared/tools/server_cost.py``: ``n`` cycles over 100
+    names, the server's ``INFO commandstats`` (commands inside scripts
+    included), each contender in every round, the ratio to redis-py's
+    ``Lock`` of the same round. Plus the floor: ``SET NX PX`` and ``DEL``
+    with no ownership check.
+    """
+
+    def floor(i: int) -> None:
+        client.set(f"cycle:{i % 100}", "v", nx=True, px=30000)
+        client.delete(f"cycle:{i % 100}")
+
+    contenders = {"SET NX PX + DEL, no ownership check (the floor)": floor, **cycles}
+    for _ in range(rounds):
+        costs: dict[str, tuple[float, float]] = {}
+        for name, cycle in contenders.items():
+            for i in range(100):  # scripts loaded, connections open
+                cycle(i)
+            usec, calls = server_cost(server, lambda c=cycle: [c(i % 100) for i in range(n)])
+            costs[name] = (usec / n, calls / n)
+        for name, (usec, calls) in costs.items():
+            report.add(
+                scenario,
+                name,
+                "server execution per cycle",
+                "µs",
+                usec,
+                usec / costs["redis-py Lock"][0],
+            )
+            report.add(
+                scenario, name, "server commands per cycle (scripts' included)", "commands", calls
+            )
+    client.flushall()
 
 
 def _left_behind(

@@ -8,7 +8,13 @@ from typing import Any
 
 import redis
 
-from bench.harness import count_round_trips, reset_peer_globals, tree_counters, worker
+from bench.harness import (
+    count_round_trips,
+    reset_peer_globals,
+    server_cost,
+    tree_counters,
+    worker,
+)
 from bench.report import Report
 from tests.servers import RedisServer, wait_until
 
@@ -75,6 +81,24 @@ def per_task_overhead(report: Report, rounds: int, n: int, contenders: list[str]
                                 "commands",
                                 trips / 200,
                             )
+                    for contender in contenders:
+                        usec, calls = server_cost(
+                            locks, lambda c=contender: _drain(tasks, c, n // 4, counter, locks, 98)
+                        )
+                        report.add(
+                            scenario,
+                            contender,
+                            "lock-store server execution per task",
+                            "µs",
+                            usec / (n // 4),
+                        )
+                        report.add(
+                            scenario,
+                            contender,
+                            "lock-store server commands per task (scripts' included)",
+                            "commands",
+                            calls / (n // 4),
+                        )
                 print(
                     f"  {pool} round {round_no + 1}/{rounds}: "
                     + ", ".join(f"{c} {rates[c]:.0f}/s {cpu[c]:.0f} µs" for c in contenders),

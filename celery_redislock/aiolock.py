@@ -94,7 +94,8 @@ class AsyncLockHandle:
         key: Redis key of the lock.
         value: The exact value stored under ``key`` by this acquisition.
         ttl: Time to live in seconds; renewed every ``ttl / 3``.
-        fence: Fencing token of this acquisition.
+        fenced: True once a fence was issued to this acquisition
+            (:meth:`fence`): its renewals and release then settle the counter.
         lost_reason: ``"gone"``, ``"stolen"`` or ``"expired_locally"`` once lost.
     """
 
@@ -115,7 +116,8 @@ class AsyncLockHandle:
         self.key = key
         self.task_name = key
         self.value = value
-        self.fence = fence
+        self._fence = fence
+        self.fenced = fence is not None
         self.sender = sender
         self.acquired_at = granted_at
         self._set_ttl(ttl)
@@ -133,6 +135,26 @@ class AsyncLockHandle:
     def __repr__(self) -> str:
         state = "released" if self.released else ("lost" if self.lost else "held")
         return f"<AsyncLockHandle {self.key!r} {state}>"
+
+    async def fence(self) -> int:
+        """The fencing token of this acquisition, issued on first call (one round trip).
+
+        Strictly larger than every earlier acquisition's of the same key; a
+        holder that never asks costs the lock store nothing for it.
+
+        Raises:
+            LockNotOwned: the lock is no longer held (released, or lost).
+            LockBackendError: Redis is unreachable.
+        """
+        fence = self._fence
+        if fence is None:
+            if self.released:
+                raise LockNotOwned(self.key, "it was released")
+            fence = await self.backend.fence(self.key, self.value)
+            if fence is None:
+                raise LockNotOwned(self.key, "it no longer holds this acquisition's value")
+            self._fence, self.fenced = fence, True
+        return fence
 
     def _set_ttl(self, ttl: float) -> None:
         self.ttl = ttl
@@ -236,7 +258,7 @@ class AsyncLockHandle:
         self._stop_renewal()
         resent, self._release_sent = self._release_sent, True
         try:
-            outcome = await self.backend.release(self.key, self.value)
+            outcome = await self.backend.release(self.key, self.value, self.fenced)
         except LockBackendError as exc:
             self._release_done = True
             logger.error(
@@ -353,7 +375,9 @@ class AsyncRenewer:
         sent_at = clock()
         try:
             self.round_trips += 1
-            outcomes = await store.renew_many([(h.key, h.value, h.ttl_ms) for h in handles])
+            outcomes = await store.renew_many(
+                [(h.key, h.value, h.ttl_ms, h.fenced) for h in handles]
+            )
         except Exception as exc:
             now = clock()
             if isinstance(exc, LockBackendError):
@@ -510,11 +534,17 @@ class AsyncRedisLock:
         handle = self._current()
         return handle is not None and handle.lost
 
-    @property
-    def fence(self) -> int | None:
-        """Fencing token of the current (outermost) acquisition (``None`` when not held)."""
+    async def fence(self) -> int:
+        """Fencing token of the current (outermost) acquisition, issued on first call.
+
+        Raises:
+            LockNotOwned: the lock is not held here.
+            LockBackendError: Redis is unreachable.
+        """
         handle = self._current()
-        return None if handle is None else handle.fence
+        if handle is None:
+            raise LockNotOwned(self.name, "it is not held")
+        return await handle.fence()
 
     @property
     def depth(self) -> int:
@@ -587,7 +617,7 @@ class AsyncRedisLock:
                 self.ttl,
                 result.sent_at,
                 sender=self,
-                fence=result.fence,
+                fence=None,
             )
             if self.reentrant:
                 _HOLDS.add(self.backend, self.name, owner, handle)
@@ -603,7 +633,7 @@ class AsyncRedisLock:
                 task_name=self.name,
                 task_id=None,
                 waited=clock() - started,
-                fence=result.fence,
+                fence=None,
             )
         except LockBackendError:
             # Redis answered too late: the script may still run. The next
@@ -648,7 +678,7 @@ class AsyncRedisLock:
             task_name=self.name,
             task_id=None,
             holder_task_id=result.holder_task_id,
-            ttl_remaining=result.ttl_remaining,
+            ttl_remaining=result.known_ttl,
             policy="not_acquired",
         )
         self._last_contention = result

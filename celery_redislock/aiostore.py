@@ -41,16 +41,19 @@ from celery_redislock import scripts
 from celery_redislock._clock import clock
 from celery_redislock.exceptions import ConfigurationError
 from celery_redislock.keys import fence_key, release_channel
+from celery_redislock.protocol import TAKE_OVER, after_set_nx_get, set_nx_get, unsupported
 from celery_redislock.store import (
     RENEW_CHUNK_SIZE,
     AcquireResult,
     ReleaseOutcome,
+    RenewItem,
     RenewOutcome,
     backend_error,
     decode_text,
     release_call,
     renew_call,
 )
+from celery_redislock.tokens import without_mark
 from celery_redislock.transport import Script, connection_settings, pack_command
 
 __all__ = ["AsyncEndpoint", "AsyncLockStore", "AsyncSubscription"]
@@ -407,6 +410,8 @@ class AsyncLockStore:
         }
         self.renew_timeout = renew_timeout
         self.fence_ttl_ms = int(fence_ttl * 1000)
+        #: The server takes ``SET NX GET`` (cleared at its first "syntax error").
+        self._set_nx_get = True
         encoding = kwargs.get("encoding", "utf-8")
         self.where = (
             f"unix://{kwargs['path']}"
@@ -455,27 +460,49 @@ class AsyncLockStore:
     # -- operations ------------------------------------------------------
 
     async def acquire(
-        self, key: str, value: str, ttl_ms: int, adopt: Sequence[str] = ()
+        self, key: str, value: str, ttl_ms: int, adopt: Sequence[str] = (), waiting: bool = False
     ) -> AcquireResult:
         """Take the lock if free, already ours, or holding a value in ``adopt``.
 
-        One round trip, ``ACQUIRE_SCRIPT``; see :meth:`LockStore.acquire`.
+        One round trip, ``SET NX PX GET``; see :meth:`LockStore.acquire`
+        (``waiting``: mark the holder found, one ``EVALSHA``).
 
         Raises:
             LockBackendError: Redis is unreachable or refused the script.
         """
         sent_at = clock()
         async with self._errors("acquire", key):
-            reply = await self.do_acquire(key, value, ttl_ms, adopt)
+            reply = await (
+                self.do_acquire(key, value, ttl_ms, adopt, waiting)
+                if waiting
+                else self.do_acquire(key, value, ttl_ms, adopt)
+            )
         if int(reply[0]) == 1:
-            return AcquireResult(True, sent_at=sent_at, fence=int(reply[1]))
-        pttl = int(reply[2])
+            return AcquireResult(True, sent_at=sent_at)
+        # A contended SET NX GET says who holds the key, not for how long:
+        # read with holder_ttl() where it is needed (blocking waits do).
+        pttl = None if reply[2] is None else int(reply[2])
         return AcquireResult(
             False,
-            decode_text(reply[1], self.commands.encoding),
-            pttl / 1000.0 if pttl >= 0 else None,
+            without_mark(decode_text(reply[1], self.commands.encoding)),
+            pttl / 1000.0 if pttl is not None and pttl >= 0 else None,
             sent_at=sent_at,
         )
+
+    async def holder_ttl(self, key: str) -> float | None:
+        """Seconds left on ``key``'s lock (``None``: gone, or no expiry). One round trip."""
+        async with self._errors("inspect", key):
+            pttl = int(await self.commands.call("PTTL", key))
+        return pttl / 1000.0 if pttl >= 0 else None
+
+    async def fence(self, key: str, value: str) -> int | None:
+        """Issue a fence to the holder of ``value``; see :meth:`LockStore.fence`."""
+        keys, args = (key, fence_key(key)), (value, self.fence_ttl_ms)
+        async with self._errors("fence", key):
+            reply = await self.commands.run(
+                script_exchange(scripts.FENCE, keys, args, self.commands.encoding)
+            )
+        return int(reply[1]) if int(reply[0]) == 1 else None
 
     async def acquire_waiting(
         self, key: str, value: str, ttl_ms: int, timeout: float, adopt: Sequence[str] = ()
@@ -499,7 +526,7 @@ class AsyncLockStore:
                     async with AsyncSubscription(self.commands, release_channel(key)) as sub:
                         subscribed = True
                         while True:
-                            result = await self.acquire(key, value, ttl_ms, adopt)
+                            result = await self.acquire(key, value, ttl_ms, adopt, waiting=True)
                             remaining = deadline - clock()
                             if result.acquired or remaining <= 0:
                                 return result
@@ -513,17 +540,24 @@ class AsyncLockStore:
                     if not subscribed or dropped > _RESUBSCRIPTIONS:
                         raise
 
-    async def release(self, key: str, value: str) -> ReleaseOutcome:
-        """Delete the lock if it still holds ``value`` exactly (and wake the waiters)."""
+    async def release(self, key: str, value: str, fenced: bool = False) -> ReleaseOutcome:
+        """Delete the lock if it still holds ``value`` exactly (and wake the waiters).
+
+        ``fenced``: the holder read a fence, whose counter is settled.
+        """
         async with self._errors("release", key):
-            return ReleaseOutcome(await self.do_release(key, value))
+            # Passed only when set: an override of do_release(key, value) still works.
+            reply = await (
+                self.do_release(key, value, True) if fenced else self.do_release(key, value)
+            )
+            return ReleaseOutcome(reply)
 
     async def extend(self, key: str, value: str, ttl_ms: int) -> RenewOutcome:
         """Reset the lock's TTL to ``ttl_ms`` if it still holds ``value``."""
         async with self._errors("extend", key):
             return RenewOutcome(await self.do_extend(key, value, ttl_ms))
 
-    async def renew_many(self, items: Sequence[tuple[str, str, int]]) -> list[RenewOutcome]:
+    async def renew_many(self, items: Sequence[RenewItem]) -> list[RenewOutcome]:
         """Renew many locks in one pipelined round trip (the loop's renewer task only).
 
         Raises:
@@ -541,7 +575,8 @@ class AsyncLockStore:
             pttl = await self.commands.call("PTTL", key)
         if value is None:
             return None, None
-        return decode_text(value, self.commands.encoding), (pttl / 1000 if pttl >= 0 else None)
+        text = without_mark(decode_text(value, self.commands.encoding))
+        return text, (pttl / 1000 if pttl >= 0 else None)
 
     async def aclose(self) -> None:
         """Disconnect the running loop's idle connections."""
@@ -550,31 +585,63 @@ class AsyncLockStore:
 
     # -- override points (as LockStore's: one script, its raw reply) ------
 
-    async def do_acquire(self, key: str, value: str, ttl_ms: int, adopt: Sequence[str]) -> Any:
-        """Run ``ACQUIRE_SCRIPT``; return its reply."""
-        keys, args = (key, fence_key(key)), (value, ttl_ms, self.fence_ttl_ms, *adopt)
-        return await self.commands.run(
-            script_exchange(scripts.ACQUIRE, keys, args, self.commands.encoding)
+    async def do_acquire(
+        self, key: str, value: str, ttl_ms: int, adopt: Sequence[str], waiting: bool = False
+    ) -> Any:
+        """Take the key as :meth:`LockStore.do_acquire` does; return the reply."""
+        encoding = self.commands.encoding
+        args = (value, ttl_ms, *adopt)
+        scripted = script_exchange(
+            scripts.WAIT_TRY if waiting else scripts.ACQUIRE, (key,), args, encoding
         )
+        packed = b""
+        if not waiting and self._set_nx_get:
+            packed = pack_command(set_nx_get(key, value, ttl_ms), encoding)
 
-    async def do_release(self, key: str, value: str) -> int:
-        """Run ``RELEASE_SCRIPT`` (exact value, delete); return its reply (1, 0 or -1).
+        async def run(connection: Any) -> Any:
+            reply = TAKE_OVER
+            if packed:
+                (found,) = await send_and_read(connection, packed, 1)
+                if unsupported(found):
+                    self._set_nx_get = False  # Redis < 7: NX and GET not together
+                else:
+                    reply = after_set_nx_get(found, (value, *adopt), encoding)
+            if reply is TAKE_OVER:
+                reply = await scripted(connection)
+            return reply
+
+        return await self.commands.run(run)
+
+    async def do_release(self, key: str, value: str, fenced: bool = False) -> int:
+        """Release as :meth:`LockStore.do_release` does; return its reply (1, 0 or -1).
 
         If the first attempt's reply was lost, the retry's "already gone"
         means it worked: reported as 1. If the release handed the key to a
         task execution parked on it (a task's ``HandOff`` policy on the same
-        key name), this store cannot publish its message: the parked
-        execution's re-sent copy runs at its countdown (as with a sync
-        store that has no publisher); reported as 1.
+        key name), this store cannot publish its message: a worker's sweep
+        hands the call the key again once the hand-over expires unused (as
+        with a sync store that has no publisher); reported as 1.
         """
-        keys, args = release_call(key, value, "exact", "", 1, HANDOFF_TTL_MS, self.fence_ttl_ms)
-        run_script = script_exchange(scripts.RELEASE, keys, args, self.releases.encoding)
+        encoding = self.releases.encoding
         attempts = 0
+
+        def full(retry: bool) -> Exchange[Any]:
+            keys, args = release_call(
+                key, value, "exact", "", 1, HANDOFF_TTL_MS, self.fence_ttl_ms, retry
+            )
+            return script_exchange(scripts.RELEASE_FULL, keys, args, encoding)
+
+        lean = None if fenced else script_exchange(scripts.RELEASE, (key,), (value,), encoding)
 
         async def counted(connection: Any) -> Any:
             nonlocal attempts
             attempts += 1
-            return await run_script(connection)
+            if attempts > 1 or lean is None:
+                return await full(attempts > 1)(connection)
+            reply = await lean(connection)
+            if reply == 2:  # someone waits behind us: wake them
+                return await full(False)(connection)
+            return reply
 
         reply = await self.releases.run(counted)
         if isinstance(reply, list):
@@ -594,7 +661,7 @@ class AsyncLockStore:
         )
         return int(reply[0])
 
-    async def do_renew(self, items: Sequence[tuple[str, str, int]]) -> list[int]:
+    async def do_renew(self, items: Sequence[RenewItem]) -> list[int]:
         """Run ``RENEW_SCRIPT`` over many keys, chunked, in one pipelined round trip."""
         calls: list[tuple[Sequence[str], Sequence[Any]]] = []
         for start in range(0, len(items), RENEW_CHUNK_SIZE):

@@ -302,7 +302,7 @@ def _duplicate(
         task_name=task.name,
         task_id=task_id,
         holder_task_id=holder,
-        ttl_remaining=result.ttl_remaining,
+        ttl_remaining=result.known_ttl,
         policy="deduplicated",
     )
     if settings.enqueue_raise or holder is None:

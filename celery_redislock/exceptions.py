@@ -12,6 +12,7 @@ __all__ = [
     "LockKeyError",
     "LockLost",
     "LockNotOwned",
+    "LockStoreRefused",
     "RedisLockError",
 ]
 
@@ -32,7 +33,23 @@ class LockBackendError(RedisLockError):
     """Redis could not be reached or refused a lock command.
 
     The underlying redis-py exception is chained as ``__cause__``.
+
+    Attributes:
+        refused: The server refused the command (an ACL, a disabled
+            command), rather than failed to answer.
     """
+
+    refused = False
+
+
+class LockStoreRefused(LockBackendError):
+    """The lock store refuses the package's commands (an ACL, a disabled command).
+
+    Not an outage that time mends: a worker that meets it at start does not
+    start (as with a bad setting).
+    """
+
+    refused = True
 
 
 class LockContended(RedisLockError):

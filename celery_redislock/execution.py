@@ -368,13 +368,24 @@ class Execution:
 
         lock_retries = int(_header(request, LOCK_RETRIES_HEADER) or 0)
         parked_since = _header(request, PARKED_SINCE_HEADER)
+        holder_task_id, is_redelivered = result.holder_task_id, redelivered(request)
+        policy = settings.beat_policy if self.from_beat else settings.policy
+        if self.must_run:
+            policy = handoff_policy(policy)
+        if holder_task_id == request.id:
+            policy = RetryWhileOwnDeliveryHolds(policy)
+        elif is_redelivered:
+            policy = RetryInsteadOfSkip(policy)
+        # The holder's TTL costs a round trip (a contended SET NX GET names
+        # the holder only): read only for a policy that uses it.
+        ttl = result.ttl_remaining if policy.needs_ttl else result.known_ttl
         contention = Contention(
             key=self.key,
             task_name=task.name,
             task_id=request.id,
-            holder_task_id=result.holder_task_id,
-            ttl_remaining=result.ttl_remaining,
-            redelivered=redelivered(request),
+            holder_task_id=holder_task_id,
+            ttl_remaining=ttl,
+            redelivered=is_redelivered,
             lock_retries=lock_retries,
             wait_for_lock=wait_for_lock,
             retry_later=lambda countdown, exc: resend(
@@ -386,20 +397,13 @@ class Execution:
             parked_for=max(time.time() - float(parked_since), 0.0) if parked_since else 0.0,
             withdraw=self._withdraw if self.handoff else None,
         )
-        policy = settings.beat_policy if self.from_beat else settings.policy
-        if self.must_run:
-            policy = handoff_policy(policy)
-        if contention.holder_task_id == request.id:
-            policy = RetryWhileOwnDeliveryHolds(policy)
-        elif contention.redelivered:
-            policy = RetryInsteadOfSkip(policy)
         logger.info(
             "%s[%s] not running: lock %s is held by %s (expires in %s s); policy %s",
             task.name,
             request.id,
             self.key,
-            contention.holder_task_id or "an unknown holder",
-            "?" if result.ttl_remaining is None else f"{result.ttl_remaining:.3f}",
+            holder_task_id or "an unknown holder",
+            "?" if ttl is None else f"{ttl:.3f}",
             policy.name,
         )
         self._contended(result, policy.name)
@@ -559,7 +563,7 @@ class Execution:
             task_name=task.name,
             task_id=self.request.id,
             holder_task_id=result.holder_task_id,
-            ttl_remaining=result.ttl_remaining,
+            ttl_remaining=result.known_ttl,
             policy=policy,
         )
         send_contention_event(task, self.key, result.holder_task_id, policy)

@@ -329,25 +329,35 @@ def fence_key(key: str) -> str:
 
 
 #: Suffixes of the keys that hold parked executions (see :func:`handoff_keys`).
-HANDOFF_SUFFIXES = ("waiters", "parked", "ran", "parking")
-#: Suffixes of every key kept beside a lock that is not a lock itself.
-NOT_LOCK_SUFFIXES = ("fence", "debounce", "next", "index", "outbox", *HANDOFF_SUFFIXES)
+HANDOFF_SUFFIXES = ("waiters", "parked", "ran")
+#: Suffixes of every key kept beside a lock that is not a lock itself
+#: ("parking": a flag of versions before the waiting mark, tokens.WAITING).
+NOT_LOCK_SUFFIXES = (
+    "fence",
+    "debounce",
+    "next",
+    "index",
+    "outbox",
+    "parking",
+    *HANDOFF_SUFFIXES,
+)
 
 
-def handoff_keys(key: str) -> tuple[str, str, str, str]:
+def handoff_keys(key: str) -> tuple[str, str, str]:
     """Return the keys of ``key``'s parked executions, in its Redis Cluster slot.
 
     * ``waiters``: a list of hand-off values, in the order they parked;
     * ``parked``: a hash, hand-off value -> the message to publish when the
-      lock is handed to it;
+      lock is handed to it (kept until a copy of the call is granted);
     * ``ran``: a hash of the hand-off values whose execution was granted the
-      lock (value: which copy), so a second copy of it is dropped;
-    * ``parking``: a plain string set while anything may be parked. A
-      release reads only this (``GET``) unless it is set, so a lock store
-      user that never parks needs no list or hash commands.
+      lock (value: which copy), so a second copy of it is dropped.
+
+    A parked call marks its holder's value (``tokens.WAITING``): a release
+    reads these keys only then, so a lock store user that never parks needs
+    no list or hash commands.
     """
     stem = _companion_stem(key)
-    return stem + "waiters", stem + "parked", stem + "ran", stem + "parking"
+    return stem + "waiters", stem + "parked", stem + "ran"
 
 
 def pending_keys(prefix: str) -> tuple[str, str]:

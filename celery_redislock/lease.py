@@ -59,6 +59,10 @@ class LockHandle:
         task_id: Task id, or ``None`` outside a task.
         fence: Fencing token of this acquisition: strictly larger than every
             earlier acquisition's of the same key (see ``fencing.py``).
+            Issued on its first read (one round trip): a holder that never
+            reads it costs the lock store nothing for it.
+        fenced: True once a fence was issued to this acquisition: its
+            renewals and its release then look after the key's counter.
         lost_reason: Why the lock was lost (``"gone"``, ``"stolen"``,
             ``"expired_locally"``), or ``None`` while it is held.
     """
@@ -78,7 +82,8 @@ class LockHandle:
         fence: int | None = None,
     ) -> None:
         self.backend = backend
-        self.fence = fence
+        self._fence = fence
+        self.fenced = fence is not None
         self.key = key
         self.value = value
         self.ttl = ttl
@@ -145,6 +150,24 @@ class LockHandle:
 
     def _validity_from(self, sent_at: float) -> float:
         return sent_at + self.ttl * (1 - _DRIFT_FACTOR) - _DRIFT_FLOOR
+
+    @property
+    def fence(self) -> int:
+        """The fencing token of this acquisition, issued on first read (see the class).
+
+        Raises:
+            LockNotOwned: the lock is no longer held (released, or lost).
+            LockBackendError: Redis is unreachable.
+        """
+        fence = self._fence
+        if fence is None:
+            if self.released:
+                raise LockNotOwned(self.key, "it was released")
+            fence = self.backend.fence(self.key, self.value)
+            if fence is None:
+                raise LockNotOwned(self.key, "it no longer holds this acquisition's value")
+            self._fence, self.fenced = fence, True
+        return fence
 
     @property
     def lost(self) -> bool:
@@ -271,10 +294,10 @@ class LockHandle:
         resent, self._release_sent = self._release_sent, True
         try:
             if keep is None:
-                outcome = self.backend.release(self.key, self.value)
+                outcome = self.backend.release(self.key, self.value, fenced=self.fenced)
             else:
                 outcome = self.backend.release(
-                    self.key, self.value, keep, max(int(keep_for * 1000), 1)
+                    self.key, self.value, keep, max(int(keep_for * 1000), 1), self.fenced
                 )
         except LockBackendError as exc:
             self._release_done = True

@@ -318,7 +318,7 @@ class RedisLock:
             task_name=self.name,
             task_id=None,
             holder_task_id=result.holder_task_id,
-            ttl_remaining=result.ttl_remaining,
+            ttl_remaining=result.known_ttl,
             policy="not_acquired",
         )
         self._last_contention = result

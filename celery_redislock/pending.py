@@ -185,14 +185,14 @@ class PendingIndex:
 
     def reap_parked(self, key: str, limit: int, handoff_ttl_ms: int, fence_ttl_ms: int) -> Reaped:
         """Hand a free slot of ``key`` to the first parked call (see ``REAP_PARKED_SCRIPT``)."""
-        waiters, parked, _, parking = handoff_keys(key)
-        keys = (*slot_keys(key, limit), waiters, parked, parking, fence_key(key))
+        waiters, parked, _ = handoff_keys(key)
+        keys = (*slot_keys(key, limit), waiters, parked, fence_key(key))
         (reply,) = self._run([(REAP_PARKED, keys, (handoff_ttl_ms, fence_ttl_ms))], "hand over")
         return _reaped(reply)
 
     def reap_queued(self, key: str, task_id: str, grace_ms: int, ran_ttl_ms: int) -> Reaped:
         """A copy of ``key``'s coalesced run if it is overdue (see ``REAP_QUEUED_SCRIPT``)."""
-        _, parked, ran, _ = handoff_keys(key)
+        _, parked, ran = handoff_keys(key)
         keys = (queued_key(key), next_run_key(key), ran, parked)
         (reply,) = self._run([(REAP_QUEUED, keys, (grace_ms, ran_ttl_ms, task_id))], "sweep")
         return _reaped(reply)

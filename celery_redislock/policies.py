@@ -124,6 +124,10 @@ class ContentionPolicy(ABC):
 
     #: Short name, used in logs and in the ``lock_contended`` signal.
     name: str = "custom"
+    #: Whether it reads :attr:`Contention.ttl_remaining`: finding the holder's
+    #: remaining TTL costs a round trip more, which a policy that never reads
+    #: it (:class:`Skip`) is spared. Custom policies get it.
+    needs_ttl: bool = True
 
     @abstractmethod
     def handle(self, contention: Contention) -> Any:
@@ -144,6 +148,7 @@ class Skip(ContentionPolicy):
     """Do not run the body; return :func:`skipped_result` (state SUCCESS)."""
 
     name = "skip"
+    needs_ttl = False
 
     def handle(self, contention: Contention) -> Any:
         """Return the skip marker naming the key and the holder."""

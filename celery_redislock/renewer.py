@@ -86,6 +86,8 @@ class Renewable(Protocol):
     renew_period: float
     renew_at: float
     valid_until: float
+    #: Its holder read a fence: the key's counter is renewed with it.
+    fenced: bool
 
     def _renewed(self, sent_at: float) -> None:
         """The lock was renewed by a call sent at ``sent_at`` (:func:`clock`)."""
@@ -288,7 +290,7 @@ class Renewer:
 
     def _renew_group(self, backend: LockStore, handles: list[Renewable]) -> None:
         sent_at = clock()
-        items = [(h.key, h.value, h.ttl_ms) for h in handles]
+        items = [(h.key, h.value, h.ttl_ms, h.fenced) for h in handles]
         try:
             self.round_trips += 1
             outcomes = backend.renew_many(items)

@@ -23,7 +23,7 @@ from typing import Any
 from celery import bootsteps
 from celery.signals import worker_init
 
-from celery_redislock.exceptions import ConfigurationError, LockBackendError
+from celery_redislock.exceptions import ConfigurationError, LockBackendError, LockStoreRefused
 from celery_redislock.recovery import recover_at_start, this_process_started_ms
 from celery_redislock.settings import AppSettings, app_settings
 from celery_redislock.task import SingletonTaskMixin
@@ -51,10 +51,16 @@ def check_lock_store(settings: AppSettings) -> bool:
 
     Returns:
         True when the store answered and loaded the scripts.
+
+    Raises:
+        ConfigurationError: the store refuses the package's commands (an ACL,
+            a disabled command): no wait mends that.
     """
     store = settings.backend
     try:
-        primaries = store.load_scripts()
+        primaries = store.load_scripts(f"{settings.key_prefix}:{{startup-check}}")
+    except LockStoreRefused as exc:
+        raise ConfigurationError(f"the lock store refuses the package's commands: {exc}") from exc
     except LockBackendError as exc:
         then = (
             "tasks are retried with backoff and then fail (redislock_on_backend_error='fail')"
@@ -106,6 +112,7 @@ class StartupCheck(bootsteps.Step):
             return
         try:
             settings = app_settings(parent.app)
+            answers = check_lock_store(settings)
         except ConfigurationError as exc:
             logger.critical("celery-redislock: the worker cannot start: %s", exc)
             # Imported here: producers import this package too, and need none of it.
@@ -115,7 +122,7 @@ class StartupCheck(bootsteps.Step):
                 # ``celery worker``: the line above says it all; exit 1 without a traceback.
                 raise SystemExit(1) from None
             raise
-        if check_lock_store(settings) and settings.recover_on_start:
+        if answers and settings.recover_on_start:
             node = getattr(parent, "hostname", None)
             if node:
                 recover_at_start(parent.app, node, _worker_started_ms(parent))

@@ -1,7 +1,8 @@
 """The lock store: acquire, release, renew and inspect, their outcomes, one transport.
 
-Every lock operation is one round trip over :mod:`celery_redislock.transport`
-(a single ``EVALSHA``, or one pipeline of them for batched renewal). A
+Every lock operation is one round trip over :mod:`celery_redislock.transport`:
+``SET NX PX GET`` to take a free key, a single ``EVALSHA`` otherwise, or one
+pipeline of them for batched renewal. A
 backend keeps three sets of connections to its server, one per kind of
 caller, so that no two kinds ever share a socket:
 
@@ -39,7 +40,7 @@ from redis.exceptions import (
 )
 from redis.retry import Retry
 
-from celery_redislock import scripts
+from celery_redislock import park_scripts, pending_scripts, scripts
 from celery_redislock._clock import clock
 from celery_redislock._process import current_pid
 from celery_redislock.clients import (
@@ -49,7 +50,7 @@ from celery_redislock.clients import (
     default_retry,
     describe_client,
 )
-from celery_redislock.exceptions import LockBackendError
+from celery_redislock.exceptions import LockBackendError, LockStoreRefused
 from celery_redislock.keys import (
     NOT_LOCK_SUFFIXES,
     debounce_key,
@@ -60,7 +61,8 @@ from celery_redislock.keys import (
     slot_keys,
 )
 from celery_redislock.keys import queued_key as queued_key_of
-from celery_redislock.tokens import LockValue
+from celery_redislock.protocol import TAKE_OVER, after_set_nx_get, set_nx_get, unsupported
+from celery_redislock.tokens import LockValue, without_mark
 from celery_redislock.transport import (
     NO_RETRY,
     ClusterTopology,
@@ -72,6 +74,7 @@ from celery_redislock.transport import (
     connection_factory,
     pack_command,
     scripts_exchange,
+    send_and_read,
 )
 from celery_redislock.urls import mask_url
 
@@ -117,28 +120,62 @@ class RenewOutcome(enum.Enum):
     STOLEN = -1
 
 
-@dataclass(frozen=True)
 class AcquireResult:
     """The reply of one acquire.
 
     Attributes:
         acquired: True when the lock is now ours.
         holder: The current holder's raw value when contended.
-        ttl_remaining: Seconds left on the holder's lock when contended
-            (``None`` when the key has no expiry).
         sent_at: :func:`clock` reading just before the acquire was sent.
-        fence: The acquisition's fencing token when acquired (see fencing.py).
+        fence: Unused: fences are issued on demand (:meth:`LockStore.fence`).
         key: The key taken, when acquired with :meth:`LockStore.acquire_slot`:
             the slot key (``None`` from :meth:`LockStore.acquire`: the key
             itself).
     """
 
-    acquired: bool
-    holder: str | None = None
-    ttl_remaining: float | None = None
-    sent_at: float = 0.0
-    fence: int | None = None
-    key: str | None = None
+    __slots__ = ("_ttl", "_ttl_of", "acquired", "fence", "holder", "key", "sent_at")
+
+    def __init__(
+        self,
+        acquired: bool,
+        holder: str | None = None,
+        ttl_remaining: float | None = None,
+        sent_at: float = 0.0,
+        fence: int | None = None,
+        key: str | None = None,
+        *,
+        ttl_of: Callable[[], float | None] | None = None,
+    ) -> None:
+        self.acquired = acquired
+        self.holder = holder
+        self._ttl = ttl_remaining
+        self._ttl_of = ttl_of
+        self.sent_at = sent_at
+        self.fence = fence
+        self.key = key
+
+    def __repr__(self) -> str:
+        return (
+            f"AcquireResult(acquired={self.acquired}, holder={self.holder!r}, "
+            f"ttl_remaining={self._ttl!r}, key={self.key!r})"
+        )
+
+    @property
+    def ttl_remaining(self) -> float | None:
+        """Seconds left on the holder's lock when contended (``None``: no expiry, or gone).
+
+        A contended ``SET NX GET`` says who holds the key, not for how long:
+        the first read asks the server (one round trip, a ``PTTL``), so a
+        caller that never needs it (the skip policy) never pays for it.
+        """
+        if self._ttl_of is not None:
+            self._ttl, self._ttl_of = self._ttl_of(), None
+        return self._ttl
+
+    @property
+    def known_ttl(self) -> float | None:
+        """:attr:`ttl_remaining` if it was read (or came with the reply), else ``None``."""
+        return self._ttl
 
     @property
     def holder_value(self) -> LockValue | None:
@@ -170,6 +207,10 @@ class ParkResult:
     already_ran: bool = False
 
 
+#: What a refusal (not an outage) says: an ACL, a renamed or disabled command.
+_REFUSALS = ("noperm", "no permissions", "unknown command", "can't run this command")
+
+
 def backend_error(exc: RedisError, operation: str, key: str, where: str) -> LockBackendError:
     """The :class:`LockBackendError` for a redis-py error during ``operation`` on ``key``.
 
@@ -178,16 +219,18 @@ def backend_error(exc: RedisError, operation: str, key: str, where: str) -> Lock
     if isinstance(exc, ResponseError):
         detail = str(exc)
         lowered = detail.lower()
-        refused = ("noperm", "no permissions", "unknown command", "can't run this command")
-        if any(marker in lowered for marker in refused):
+        refused = any(marker in lowered for marker in _REFUSALS)
+        if refused:
             detail += (
                 " (the lock store must allow EVAL/EVALSHA, GET, SET, PEXPIRE, PTTL, DEL, "
-                "TIME and PUBLISH on the lock keys for this user, SUBSCRIBE for the "
-                "wait policy, and LPOP, RPUSH, LREM, HSET, HGET, HDEL and HSETNX for "
-                "hand-off, coalescing and debounce; see the ACL list in the docs' Redis "
-                "topologies page, docs/_parts/topologies.md)"
+                "TIME, APPEND and PUBLISH on the lock keys for this user, SUBSCRIBE for "
+                "the wait policy, and the list, hash and sorted-set commands of hand-off, "
+                "coalescing, debounce and the workers' sweep; see the ACL list in the "
+                "docs' Redis topologies page, docs/_parts/topologies.md)"
             )
-        return LockBackendError(f"Redis at {where} refused to {operation} lock {key!r}: {detail}")
+        error = LockBackendError(f"Redis at {where} refused to {operation} lock {key!r}: {detail}")
+        error.refused = refused
+        return error
     return LockBackendError(
         f"cannot {operation} lock {key!r}: Redis at {where} is unavailable "
         f"({type(exc).__name__}: {exc})"
@@ -204,11 +247,11 @@ def release_call(
     fence_ttl_ms: int = 0,
     retry: bool = False,
 ) -> tuple[tuple[str, ...], tuple[Any, ...]]:
-    """KEYS and ARGV of ``RELEASE_SCRIPT``: one place for the sync and asyncio stores.
+    """KEYS and ARGV of ``RELEASE_FULL_SCRIPT``: one place for the sync and asyncio stores.
 
     ``retry``: the release is sent again after its reply was lost.
     """
-    waiters, parked, _, parking = handoff_keys(key)
+    waiters, parked, _ = handoff_keys(key)
     args = (
         match,
         mode,
@@ -219,16 +262,22 @@ def release_call(
         fence_ttl_ms,
         "1" if retry else "",
     )
-    return (key, waiters, parked, parking, fence_key(key)), args
+    return (key, waiters, parked, fence_key(key)), args
 
 
-def renew_call(
-    chunk: Sequence[tuple[str, str, int]], fence_ttl_ms: int
-) -> tuple[list[str], list[Any]]:
-    """KEYS and ARGV of ``RENEW_SCRIPT`` for ``(key, value, ttl_ms)`` items, counters included."""
-    keys = [key for key, _, _ in chunk]
-    keys += [fence_key(key) for key in keys]
-    args: list[Any] = [value for _, value, _ in chunk] + [ttl for _, _, ttl in chunk]
+RenewItem = tuple[str, str, int] | tuple[str, str, int, bool]
+
+
+def renew_call(chunk: Sequence[RenewItem], fence_ttl_ms: int) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of ``RENEW_SCRIPT`` for ``(key, value, ttl_ms[, fenced])`` items.
+
+    A fenced item (its holder read a fence) renews its fence counter too.
+    """
+    keys = [item[0] for item in chunk]
+    fenced = [len(item) > 3 and bool(item[3]) for item in chunk]
+    keys += [fence_key(item[0]) for item, flag in zip(chunk, fenced, strict=True) if flag]
+    args: list[Any] = [item[1] for item in chunk] + [item[2] for item in chunk]
+    args += ["1" if flag else "" for flag in fenced]
     args.append(fence_ttl_ms)
     return keys, args
 
@@ -326,6 +375,9 @@ class LockStore:
         self.on_handoff: Callable[[str, str, bytes], None] | None = None
         #: Milliseconds a lock handed to a parked execution waits for it to start.
         self.handoff_ttl_ms = 30_000
+        #: The server takes ``SET NX GET`` (Redis >= 7, Valkey): cleared at its
+        #: first "syntax error", after which acquires run ``ACQUIRE_SCRIPT``.
+        self._set_nx_get = True
         if client is not None:
             self._client_ref = weakref.ref(client)
             self._where = describe_client(client)
@@ -437,7 +489,7 @@ class LockStore:
         if type(topology) is Topology:
             topology.endpoint.run(lambda connection: connection.connect())
 
-    def load_scripts(self) -> int:
+    def load_scripts(self, probe_key: str | None = None) -> int:
         """Check that the store answers: ``SCRIPT LOAD`` the lock scripts on every primary.
 
         A check for worker start, on connections of its own (closed after):
@@ -446,13 +498,27 @@ class LockStore:
         about twice that per primary (a Sentinel lookup adds the sentinels'
         own timeouts; a cluster's first slot-map lookup, redis-py's).
 
+        Args:
+            probe_key: A key this user may touch (under the key prefix): the
+                release script is run on it once (it is absent: nothing
+                changes), so that a user refused ``EVALSHA`` is found now,
+                not at the first release.
+
         Returns:
             How many primaries loaded the scripts.
 
         Raises:
+            LockStoreRefused: the store refuses the package's commands.
             LockBackendError: the store is unreachable or refused the scripts.
         """
-        sources = [scripts.ACQUIRE, scripts.RELEASE, scripts.RENEW]
+        sources = [
+            scripts.ACQUIRE,
+            scripts.RELEASE,
+            scripts.RENEW,
+            scripts.RELEASE_FULL,
+            scripts.FENCE,
+            scripts.WAIT_TRY,
+        ]
         topology: Topology | None = None
         try:
             topology = self._make_topology(_Kind.RENEWALS)
@@ -464,8 +530,16 @@ class LockStore:
                         raise reply
                     if decode_text(reply, endpoint.encoding) != script.sha:
                         raise ResponseError(f"SCRIPT LOAD answered {reply!r}, not {script.sha}")
+            if probe_key is not None:
+                topology.run_for_key(
+                    probe_key,
+                    _script_runner((scripts.RELEASE, (probe_key,), ("startup-check",))),
+                )
             return len(primaries)
         except ResponseError as exc:
+            refusal = backend_error(exc, "load the scripts of", "*", self.describe())
+            if refusal.refused:
+                raise LockStoreRefused(str(refusal)) from exc
             raise LockBackendError(
                 f"Redis at {self.describe()} refused to load the lock scripts: {exc}"
             ) from exc
@@ -494,22 +568,31 @@ class LockStore:
         adopt: Sequence[str] = (),
         min_replicas: int = 0,
         replicas_timeout: float = 1.0,
+        waiting: bool = False,
     ) -> AcquireResult:
         """Take the lock if free (or already ours, or holding a value in ``adopt``).
 
-        One round trip (two with ``min_replicas``). The result's ``sent_at``
-        is the :func:`clock` reading taken just before the command was sent:
-        the lease is valid from then on.
+        One round trip, ``SET NX PX GET``: the server's cost of a plain
+        ``SET``. It also says who holds a taken key; not for how long (read
+        :meth:`holder_ttl` if the policy needs it). Two round trips with
+        ``min_replicas``. The result's ``sent_at`` is the :func:`clock`
+        reading taken just before the command was sent: the lease is valid
+        from then on.
 
         Args:
             key: Lock key.
             value: Value to store.
             ttl_ms: Time to live in milliseconds.
-            adopt: Values this caller may take over (see ``ACQUIRE_SCRIPT``).
+            adopt: Values this caller may take over (see ``ACQUIRE_SCRIPT``):
+                a key found holding one of them is taken over in a second
+                round trip on the same connection.
             min_replicas: If > 0, a taken lock must also be acknowledged by
                 this many replicas (``WAIT`` on the same connection), or it
                 is released again and this raises.
             replicas_timeout: Longest ``WAIT``, in seconds.
+            waiting: The caller waits for the key's release: a holder found
+                is marked waited for (``WAIT_TRY_SCRIPT``), so that its
+                release publishes; one ``EVALSHA``.
 
         Raises:
             LockBackendError: Redis is unreachable or refused the script, or
@@ -520,9 +603,8 @@ class LockStore:
         # try/except, not the _errors() context manager, on the two hot paths
         # (measured: 1.1 µs per call for the generator-based manager).
         try:
-            reply, acked = self.do_acquire(
-                key, value, ttl_ms, adopt, min_replicas, replicas_timeout
-            )
+            call = (key, value, ttl_ms, adopt, min_replicas, replicas_timeout)
+            reply, acked = self.do_acquire(*call, waiting) if waiting else self.do_acquire(*call)
         except RedisError as exc:
             raise backend_error(exc, "acquire", key, self.describe()) from exc
         if acked is not None and acked < min_replicas:
@@ -532,15 +614,39 @@ class LockStore:
                 f"acknowledged it within {replicas_timeout}s; released it again "
                 "(a failover now could lose it)"
             )
+        return self._acquire_result(key, reply, sent_at)
+
+    def _acquire_result(self, key: str, reply: Any, sent_at: float) -> AcquireResult:
         if int(reply[0]) == 1:
-            return AcquireResult(True, sent_at=sent_at, fence=int(reply[1]))
+            return AcquireResult(True, sent_at=sent_at)
+        encoding = self._topology(_Kind.COMMANDS).endpoint_for(key).encoding
+        holder = without_mark(decode_text(reply[1], encoding))
+        if reply[2] is None:  # SET NX GET: the holder, not its TTL (read on demand)
+            return AcquireResult(
+                False, holder, sent_at=sent_at, ttl_of=lambda: self.holder_ttl(key)
+            )
         pttl = int(reply[2])
-        return AcquireResult(
-            False,
-            decode_text(reply[1], self._topology(_Kind.COMMANDS).endpoint_for(key).encoding),
-            pttl / 1000.0 if pttl >= 0 else None,
-            sent_at=sent_at,
-        )
+        return AcquireResult(False, holder, pttl / 1000.0 if pttl >= 0 else None, sent_at=sent_at)
+
+    def holder_ttl(self, key: str) -> float | None:
+        """Seconds left on ``key``'s lock (``None``: gone, or no expiry). One round trip."""
+        with self._errors("inspect", key):
+            pttl = int(self._topology(_Kind.COMMANDS).endpoint_for(key).call("PTTL", key))
+        return pttl / 1000.0 if pttl >= 0 else None
+
+    def fence(self, key: str, value: str) -> int | None:
+        """Issue a fence to the holder of ``value`` (see ``FENCE_SCRIPT``): one round trip.
+
+        Larger than every fence issued for the key before; ``None`` when the
+        key no longer holds ``value`` (the lock was lost: no fence for it).
+
+        Raises:
+            LockBackendError: Redis is unreachable or refused the script.
+        """
+        call = (scripts.FENCE, (key, fence_key(key)), (value, self.fence_ttl_ms))
+        with self._errors("fence", key):
+            reply = self._topology(_Kind.COMMANDS).run_for_key(key, _script_runner(call))
+        return int(reply[1]) if int(reply[0]) == 1 else None
 
     def park(
         self,
@@ -593,14 +699,7 @@ class LockStore:
         """
         queued_at, queued_value = queued or (queued_key_of(key), "")
         slots = slot_keys(key, limit)
-        keys = (
-            *slots,
-            fence_key(key),
-            *handoff_keys(key),
-            queued_at,
-            fence_key(queued_at),
-            next_run_key(key),
-        )
+        keys = (*slots, fence_key(key), *handoff_keys(key), queued_at, next_run_key(key))
         args = (
             value,
             ttl_ms,
@@ -619,8 +718,8 @@ class LockStore:
             reply = self.do_park(keys, args, touch, after)
         status = int(reply[0])
         if status == 1:
-            taken = slots[int(reply[2]) - 1]
-            return ParkResult(AcquireResult(True, sent_at=sent_at, fence=int(reply[1]), key=taken))
+            taken = slots[int(reply[1]) - 1]
+            return ParkResult(AcquireResult(True, sent_at=sent_at, key=taken))
         if status == 2:
             return ParkResult(AcquireResult(False, sent_at=sent_at), already_ran=True)
         if status == 3:
@@ -631,7 +730,7 @@ class LockStore:
         return ParkResult(
             AcquireResult(
                 False,
-                None if reply[1] is None else decode_text(reply[1], encoding),
+                None if reply[1] is None else without_mark(decode_text(reply[1], encoding)),
                 pttl / 1000.0 if pttl >= 0 else None,
                 sent_at=sent_at,
             ),
@@ -647,8 +746,7 @@ class LockStore:
         Raises:
             LockBackendError: Redis is unreachable or refused the script.
         """
-        waiters, parked, ran, parking = handoff_keys(key)
-        keys = (*slot_keys(key, limit), waiters, parked, ran, parking, fence_key(key))
+        keys = (*slot_keys(key, limit), *handoff_keys(key), fence_key(key))
         args = (
             handoff,
             "withdrawn",
@@ -658,7 +756,7 @@ class LockStore:
             self.fence_ttl_ms,
         )
         with self._errors("withdraw", key):
-            reply = self.do_script(scripts.UNPARK, keys, args)
+            reply = self.do_script(park_scripts.UNPARK, keys, args)
         if isinstance(reply, list):
             self._hand_off_reply(key, reply)
 
@@ -685,7 +783,7 @@ class LockStore:
         """
         ttl_ms = max_wait_ms + window_ms + grace_ms + 60_000
         call = (
-            scripts.DEBOUNCE,
+            pending_scripts.DEBOUNCE,
             (debounce_key(key),),
             (task_id, window_ms, max_wait_ms, ttl_ms, message, handoff),
         )
@@ -707,7 +805,11 @@ class LockStore:
         sent right after, in the same round trip
         (``PendingIndex.forget_debounced_call``).
         """
-        call = (scripts.DEBOUNCE_DUE, (debounce_key(key),), (task_id, "1" if forget else ""))
+        call = (
+            pending_scripts.DEBOUNCE_DUE,
+            (debounce_key(key),),
+            (task_id, "1" if forget else ""),
+        )
         with self._errors("debounce", key):
             reply = self._with_neighbours(call, None, after)
         return int(reply) / 1000.0
@@ -758,10 +860,17 @@ class LockStore:
                                     task_prefix,
                                     min_replicas,
                                     replicas_timeout,
+                                    waiting=True,
                                 )
                             else:
                                 result = self.acquire(
-                                    key, value, ttl_ms, adopt, min_replicas, replicas_timeout
+                                    key,
+                                    value,
+                                    ttl_ms,
+                                    adopt,
+                                    min_replicas,
+                                    replicas_timeout,
+                                    waiting=True,
                                 )
                             remaining = deadline - clock()
                             if result.acquired or remaining <= 0:
@@ -811,7 +920,9 @@ class LockStore:
                     return False
                 sub.wait(remaining)
 
-    def release(self, key: str, value: str, keep: str = "", keep_ms: int = 0) -> ReleaseOutcome:
+    def release(
+        self, key: str, value: str, keep: str = "", keep_ms: int = 0, fenced: bool = False
+    ) -> ReleaseOutcome:
         """Delete the lock if it still holds ``value`` exactly.
 
         Args:
@@ -821,8 +932,10 @@ class LockStore:
                 deleting: the lock passes to whoever can adopt ``keep``, or
                 stays as an idempotency window.
             keep_ms: Time to live of ``keep`` in milliseconds.
+            fenced: The holder read a fence: the key's counter is settled
+                (kept only while ahead of the clock, or ``fence_ttl``).
         """
-        return self._release(key, value, "exact", keep, keep_ms)
+        return self._release(key, value, "exact", keep, keep_ms, fenced)
 
     def release_owner(
         self, key: str, owner_prefix: str, keep: str = "", keep_ms: int = 0
@@ -840,6 +953,7 @@ class LockStore:
         task_prefix: str = "",
         min_replicas: int = 0,
         replicas_timeout: float = 1.0,
+        waiting: bool = False,
     ) -> AcquireResult:
         """Take one of ``key``'s ``limit`` slots (``lock_limit``): at most ``limit`` holders.
 
@@ -859,6 +973,7 @@ class LockStore:
                 counts as contention, so one message never runs twice at once.
             min_replicas: As :meth:`acquire`.
             replicas_timeout: As :meth:`acquire`.
+            waiting: As :meth:`acquire` (every holder is marked).
 
         Raises:
             LockBackendError: Redis is unreachable or refused the script, or
@@ -867,10 +982,18 @@ class LockStore:
         sent_at = clock()
         with self._errors("acquire", key):
             reply, acked = self.do_acquire_slot(
-                key, limit, value, ttl_ms, adopt, task_prefix, min_replicas, replicas_timeout
+                key,
+                limit,
+                value,
+                ttl_ms,
+                adopt,
+                task_prefix,
+                min_replicas,
+                replicas_timeout,
+                waiting,
             )
         if int(reply[0]) == 1:
-            taken = slot_keys(key, limit)[int(reply[2]) - 1]
+            taken = slot_keys(key, limit)[int(reply[1]) - 1]
             if acked is not None and acked < min_replicas:
                 self.release(taken, value)
                 raise LockBackendError(
@@ -878,11 +1001,12 @@ class LockStore:
                     f"acknowledged it within {replicas_timeout}s; released it again "
                     "(a failover now could lose it)"
                 )
-            return AcquireResult(True, sent_at=sent_at, fence=int(reply[1]), key=taken)
+            return AcquireResult(True, sent_at=sent_at, key=taken)
         pttl = int(reply[2])
+        encoding = self._topology(_Kind.COMMANDS).endpoint_for(key).encoding
         return AcquireResult(
             False,
-            decode_text(reply[1], self._topology(_Kind.COMMANDS).endpoint_for(key).encoding),
+            without_mark(decode_text(reply[1], encoding)),
             pttl / 1000.0 if pttl >= 0 else None,
             sent_at=sent_at,
         )
@@ -909,9 +1033,16 @@ class LockStore:
             return ReleaseOutcome.RELEASED
         return ReleaseOutcome(max(min(reply, 1), -1))
 
-    def _release(self, key: str, match: str, mode: str, keep: str, keep_ms: int) -> ReleaseOutcome:
+    def _release(
+        self, key: str, match: str, mode: str, keep: str, keep_ms: int, fenced: bool = False
+    ) -> ReleaseOutcome:
         try:
-            reply = self.do_release(key, match, mode, keep, keep_ms)
+            # Passed only when set: an override of do_release(key, match, mode,
+            # keep, keep_ms) still works.
+            if fenced:
+                reply = self.do_release(key, match, mode, keep, keep_ms, fenced)
+            else:
+                reply = self.do_release(key, match, mode, keep, keep_ms)
         except RedisError as exc:
             raise backend_error(exc, "release", key, self.describe()) from exc
         if isinstance(reply, list):
@@ -953,14 +1084,16 @@ class LockStore:
         with self._errors("extend", key):
             return RenewOutcome(self.do_extend(key, value, ttl_ms))
 
-    def renew_many(self, items: Sequence[tuple[str, str, int]]) -> list[RenewOutcome]:
+    def renew_many(self, items: Sequence[RenewItem]) -> list[RenewOutcome]:
         """Renew many locks: one pipelined round trip per node.
 
         Call it only from the renewer thread: its connections belong to that
         thread (under gevent, a greenlet must never touch them).
 
         Args:
-            items: ``(key, value, ttl_ms)`` for each lock.
+            items: ``(key, value, ttl_ms)`` for each lock, or ``(key, value,
+                ttl_ms, fenced)``: a lock whose holder read a fence renews
+                its fence counter too.
 
         Raises:
             LockBackendError: a round trip failed; no outcome is known.
@@ -979,6 +1112,8 @@ class LockStore:
         self, keys: Sequence[str]
     ) -> list[tuple[str | None, float | None, int | None]]:
         """Return ``(value, remaining TTL in s, last fence)`` for each key.
+
+        The value as its holder stored it (a waiter's mark left out).
 
         One pipelined round trip per node.
         """
@@ -999,7 +1134,9 @@ class LockStore:
                 for position, index in enumerate(indices):
                     value, pttl, fence = replies[position * 3 : position * 3 + 3]
                     out[index] = (
-                        None if value is None else decode_text(value, endpoint.encoding),
+                        None
+                        if value is None
+                        else without_mark(decode_text(value, endpoint.encoding)),
                         pttl / 1000.0 if value is not None and pttl >= 0 else None,
                         int(fence) if fence is not None else None,
                     )
@@ -1041,15 +1178,23 @@ class LockStore:
         adopt: Sequence[str],
         min_replicas: int,
         replicas_timeout: float,
+        waiting: bool = False,
     ) -> tuple[Any, int | None]:
-        """Run ``ACQUIRE_SCRIPT`` (then ``WAIT`` when ``min_replicas`` > 0).
+        """Take the key: ``SET NX PX GET`` (then ``WAIT`` when ``min_replicas`` > 0).
+
+        A key found holding our value or one in ``adopt`` is taken over with
+        ``ACQUIRE_SCRIPT`` on the same connection; a waiting caller runs
+        ``WAIT_TRY_SCRIPT`` instead, and so does every acquire on a server
+        without ``SET NX GET`` (Redis < 7).
 
         Returns:
-            The script's reply, and the number of replicas that acknowledged
-            the write (``None`` when not asked for or not taken).
+            The reply as ``ACQUIRE_SCRIPT`` gives it (a contended ``SET``'s
+            holder comes with ``None`` for its PTTL), and the number of
+            replicas that acknowledged the write (``None`` when not asked
+            for or not taken).
         """
-        keys, args = (key, fence_key(key)), (value, ttl_ms, self.fence_ttl_ms, *adopt)
         topology = self._topology(_Kind.COMMANDS)
+        timeout_ms = 0
         if min_replicas > 0:
             if isinstance(topology, ClusterTopology):
                 raise LockBackendError(
@@ -1057,14 +1202,37 @@ class LockStore:
                     "the connection that took the lock"
                 )
             timeout_ms = max(int(replicas_timeout * 1000), 1)
-            reply, acked = topology.run_for_key(
-                key, lambda endpoint: _then_wait(endpoint, keys, args, min_replicas, timeout_ms)
-            )
-            return reply, acked
-        reply = topology.run_for_key(
-            key, lambda endpoint: scripts.ACQUIRE.exchange(keys, args, endpoint.encoding)
-        )
-        return reply, None
+        script = scripts.WAIT_TRY if waiting else scripts.ACQUIRE
+        args = (value, ttl_ms, *adopt)
+        own = (value, *adopt)
+        set_nx = not waiting and self._set_nx_get
+
+        def make(endpoint: Endpoint) -> Callable[[Any], tuple[Any, int | None]]:
+            encoding = endpoint.encoding
+            scripted = script.exchange((key,), args, encoding)
+            packed = pack_command(set_nx_get(key, value, ttl_ms), encoding) if set_nx else b""
+
+            def run(connection: Any) -> tuple[Any, int | None]:
+                reply = TAKE_OVER
+                if packed:
+                    (found,) = send_and_read(connection, packed, 1)
+                    if unsupported(found):
+                        self._set_nx_get = False  # Redis < 7: NX and GET not together
+                    else:
+                        reply = after_set_nx_get(found, own, encoding)
+                if reply is TAKE_OVER:
+                    reply = scripted(connection)
+                if timeout_ms and int(reply[0]) == 1:
+                    wait = pack_command(("WAIT", min_replicas, timeout_ms), encoding)
+                    (acked,) = send_and_read(connection, wait, 1)
+                    if isinstance(acked, ResponseError):
+                        raise acked
+                    return reply, int(acked)
+                return reply, None
+
+            return run
+
+        return topology.run_for_key(key, make)
 
     def do_acquire_slot(
         self,
@@ -1076,6 +1244,7 @@ class LockStore:
         task_prefix: str,
         min_replicas: int,
         replicas_timeout: float,
+        waiting: bool = False,
     ) -> tuple[Any, int | None]:
         """Run ``ACQUIRE_SLOT_SCRIPT`` (then ``WAIT`` when ``min_replicas`` > 0).
 
@@ -1083,8 +1252,8 @@ class LockStore:
             The script's reply, and the number of replicas that acknowledged
             the write (``None`` when not asked for or not taken).
         """
-        keys = (*slot_keys(key, limit), fence_key(key))
-        args = (value, ttl_ms, self.fence_ttl_ms, task_prefix, *adopt)
+        keys = slot_keys(key, limit)
+        args = (value, ttl_ms, "1" if waiting else "", task_prefix, *adopt)
         topology = self._topology(_Kind.COMMANDS)
         if min_replicas > 0:
             if isinstance(topology, ClusterTopology):
@@ -1096,12 +1265,13 @@ class LockStore:
             reply, acked = topology.run_for_key(
                 key,
                 lambda endpoint: _then_wait(
-                    endpoint, keys, args, min_replicas, timeout_ms, scripts.ACQUIRE_SLOT
+                    endpoint, keys, args, min_replicas, timeout_ms, park_scripts.ACQUIRE_SLOT
                 ),
             )
             return reply, acked
         reply = topology.run_for_key(
-            key, lambda endpoint: scripts.ACQUIRE_SLOT.exchange(keys, args, endpoint.encoding)
+            key,
+            lambda endpoint: park_scripts.ACQUIRE_SLOT.exchange(keys, args, endpoint.encoding),
         )
         return reply, None
 
@@ -1113,13 +1283,13 @@ class LockStore:
         retry's "no match" cannot tell; it is reported as released (1)
         when a slot is free, as :meth:`do_release` does.
         """
-        waiters, parked, _, parking = handoff_keys(key)
-        keys = (*slot_keys(key, limit), waiters, parked, parking, fence_key(key))
+        waiters, parked, _ = handoff_keys(key)
+        keys = (*slot_keys(key, limit), waiters, parked, fence_key(key))
         args = (match, mode, release_channel(key), self.handoff_ttl_ms, self.fence_ttl_ms)
         attempts = 0
 
         def make(endpoint: Endpoint) -> Callable[[Any], Any]:
-            run_script = scripts.RELEASE_SLOTS.exchange(keys, args, endpoint.encoding)
+            run_script = park_scripts.RELEASE_SLOTS.exchange(keys, args, endpoint.encoding)
 
             def counted(connection: Any) -> Any:
                 nonlocal attempts
@@ -1133,8 +1303,17 @@ class LockStore:
             return reply
         return 1 if attempts > 1 and int(reply) == 0 else int(reply)
 
-    def do_release(self, key: str, match: str, mode: str, keep: str, keep_ms: int) -> Any:
-        """Run ``RELEASE_SCRIPT``; return its reply (1, 0, -1, or a hand-off).
+    def do_release(
+        self, key: str, match: str, mode: str, keep: str, keep_ms: int, settle: bool = False
+    ) -> Any:
+        """Release: ``RELEASE_SCRIPT``, or ``RELEASE_FULL_SCRIPT``; return the reply.
+
+        A plain release (the exact value, nothing kept, no fence read) runs
+        the lean script: ``GET``, compare, ``DEL``. If the value is marked
+        waited for, or the release keeps a value, goes by owner prefix or
+        must settle a fence counter (``settle``), the full one runs (the lean
+        one first, when it could not know: a second round trip, paid by the
+        releases someone waits for).
 
         Releases have connections of their own (short timeout, one retry), so
         a frozen Redis delays a finishing task by at most two short attempts;
@@ -1143,23 +1322,35 @@ class LockStore:
         and if it finds the key handed to a parked call that has not
         started, the hand-over was most likely the lost reply's: its
         message is returned, to be published.
+
+        Returns:
+            1, 0, -1, or ``[1, hand-off value, message]`` (see
+            ``RELEASE_FULL_SCRIPT``).
         """
-        keys, args = release_call(
-            key, match, mode, keep, keep_ms, self.handoff_ttl_ms, self.fence_ttl_ms
-        )
+        lean = mode == "exact" and not keep and not settle
         attempts = 0
 
+        def full(encoding: str, retry: bool) -> Callable[[Any], Any]:
+            keys, args = release_call(
+                key, match, mode, keep, keep_ms, self.handoff_ttl_ms, self.fence_ttl_ms, retry
+            )
+            return scripts.RELEASE_FULL.exchange(keys, args, encoding)
+
         def make(endpoint: Endpoint) -> Callable[[Any], Any]:
-            first = scripts.RELEASE.exchange(keys, args, endpoint.encoding)
+            encoding = endpoint.encoding
+            first = scripts.RELEASE.exchange((key,), (match,), encoding) if lean else None
 
             def counted(connection: Any) -> Any:
                 nonlocal attempts
                 attempts += 1
-                if attempts == 1:
-                    return first(connection)
-                # Packed only when needed: a retry is rare, the release hot.
-                retry_args = (*args[:-1], "1")
-                return scripts.RELEASE.exchange(keys, retry_args, endpoint.encoding)(connection)
+                if attempts > 1:
+                    return full(encoding, True)(connection)
+                if first is None:
+                    return full(encoding, False)(connection)
+                reply = first(connection)
+                if reply == 2:  # someone waits behind us: hand over, wake them
+                    return full(encoding, False)(connection)
+                return reply
 
             return counted
 
@@ -1209,7 +1400,7 @@ class LockStore:
         after: ScriptCall | None = None,
     ) -> Any:
         """Run ``PARK_SCRIPT`` between ``before`` and ``after``; return the park's raw reply."""
-        return self._with_neighbours((scripts.PARK, keys, args), before, after)
+        return self._with_neighbours((park_scripts.PARK, keys, args), before, after)
 
     def _with_neighbours(
         self, call: ScriptCall, before: ScriptCall | None, after: ScriptCall | None
@@ -1228,7 +1419,7 @@ class LockStore:
         )
         return int(reply[0])
 
-    def do_renew(self, items: Sequence[tuple[str, str, int]]) -> list[int]:
+    def do_renew(self, items: Sequence[RenewItem]) -> list[int]:
         """Run ``RENEW_SCRIPT`` over many keys (renewer thread only); one status per item.
 
         One pipelined round trip per node. A script may only touch keys of
@@ -1238,7 +1429,7 @@ class LockStore:
         topology = self._topology(_Kind.RENEWALS)
         statuses = [0] * len(items)
         by_endpoint: dict[int, tuple[Endpoint, list[list[int]]]] = {}
-        for endpoint, indices in topology.group([key for key, _, _ in items]):
+        for endpoint, indices in topology.group([item[0] for item in items]):
             chunks = by_endpoint.setdefault(id(endpoint), (endpoint, []))[1]
             for start in range(0, len(indices), RENEW_CHUNK_SIZE):
                 chunks.append(indices[start : start + RENEW_CHUNK_SIZE])

@@ -34,6 +34,13 @@ or process, so no parent-side release (by owner prefix) can ever match them:
   runs once.
 
 A standalone :class:`~celery_redislock.RedisLock` has an empty task id.
+
+A caller that parks or waits behind a holder appends :data:`WAITING` to the
+holder's value (``APPEND``: its TTL is kept). The holder's release then
+knows, from the one ``GET`` it makes anyway, that someone must be handed the
+key or woken; a release nobody waits for touches nothing else. Every script
+compares values with the mark left out, so the holder's renewals and its
+release still recognise its value.
 """
 
 from __future__ import annotations
@@ -50,7 +57,16 @@ from urllib.parse import quote, unquote
 
 from celery_redislock._process import current_pid
 
-__all__ = ["KEPT_HOST", "PARKED_HOST", "QUEUED_HOST", "LockOwner", "LockValue", "new_nonce"]
+__all__ = [
+    "KEPT_HOST",
+    "PARKED_HOST",
+    "QUEUED_HOST",
+    "WAITING",
+    "LockOwner",
+    "LockValue",
+    "new_nonce",
+    "without_mark",
+]
 
 _VERSION = "v1"
 _SEPARATOR = "|"
@@ -61,6 +77,14 @@ QUEUED_HOST = "<queued>"
 KEPT_HOST = "<done>"
 #: Hostname field of a parked call's hand-off value.
 PARKED_HOST = "<parked>"
+#: Appended to a holder's value by whoever parks or waits behind it (a value
+#: itself ends with its acquired time, a number, so never with this).
+WAITING = "|w"
+
+
+def without_mark(value: str) -> str:
+    """``value`` as its holder stored it: without the :data:`WAITING` mark."""
+    return value[: -len(WAITING)] if value.endswith(WAITING) else value
 
 
 # Text that percent-encoding leaves as it is (task ids, most names): most
@@ -234,7 +258,7 @@ class LockValue:
     def decode(cls, raw: str | bytes) -> LockValue | None:
         """Parse a stored value; return ``None`` for anything not in format v1."""
         text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
-        fields = text.split(_SEPARATOR)
+        fields = without_mark(text).split(_SEPARATOR)
         if len(fields) != 8 or fields[0] != _VERSION:
             return None
         _, task_id, attempt, hostname, pid, nonce, task_name, acquired = fields

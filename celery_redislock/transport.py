@@ -74,6 +74,7 @@ __all__ = [
     "connection_settings",
     "pack_command",
     "scripts_exchange",
+    "send_and_read",
 ]
 
 T = TypeVar("T")
@@ -203,7 +204,7 @@ class Endpoint:
     def call(self, *args: Any) -> Any:
         """Send one command and return its reply."""
         packed = pack_command(args, self.encoding)
-        reply = self.run(lambda connection: _send_and_read(connection, packed, 1)[0])
+        reply = self.run(lambda connection: send_and_read(connection, packed, 1)[0])
         if isinstance(reply, ResponseError):
             raise reply
         return reply
@@ -215,7 +216,7 @@ class Endpoint:
         so every reply is read and the connection stays usable.
         """
         packed = b"".join(pack_command(command, self.encoding) for command in commands)
-        return self.run(lambda connection: _send_and_read(connection, packed, len(commands)))
+        return self.run(lambda connection: send_and_read(connection, packed, len(commands)))
 
     def new_connection(self) -> Any:
         """A connection of its own (for a subscription), never put in the idle set."""
@@ -227,7 +228,7 @@ class Endpoint:
             self._idle.pop().disconnect()
 
 
-def _send_and_read(connection: Any, packed: bytes, replies: int) -> list[Any]:
+def send_and_read(connection: Any, packed: bytes, replies: int) -> list[Any]:
     """Send ``packed`` on ``connection`` and read ``replies`` replies, errors in place.
 
     The socket is written and read here, not through redis-py's
@@ -483,9 +484,9 @@ class Script:
         packed = self.pack_evalsha(keys, args, encoding)
 
         def run(connection: Any) -> Any:
-            (reply,) = _send_and_read(connection, packed, 1)
+            (reply,) = send_and_read(connection, packed, 1)
             if isinstance(reply, NoScriptError):
-                (reply,) = _send_and_read(
+                (reply,) = send_and_read(
                     connection, pack_command(self.eval_command(keys, args), encoding), 1
                 )
             if isinstance(reply, ResponseError):
@@ -525,7 +526,7 @@ def scripts_exchange(calls: Sequence[ScriptCall], encoding: str) -> Callable[[An
     packed = b"".join(script.pack_evalsha(k, a, encoding) for script, k, a in prepared)
 
     def run(connection: Any) -> list[Any]:
-        replies = _send_and_read(connection, packed, len(prepared))
+        replies = send_and_read(connection, packed, len(prepared))
         missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
         if missing:
             again = b"".join(
@@ -533,7 +534,7 @@ def scripts_exchange(calls: Sequence[ScriptCall], encoding: str) -> Callable[[An
                 for i in missing
             )
             for index, reply in zip(
-                missing, _send_and_read(connection, again, len(missing)), strict=True
+                missing, send_and_read(connection, again, len(missing)), strict=True
             ):
                 replies[index] = reply
         for reply in replies:
@@ -708,7 +709,7 @@ def _after_asking(exchange: Callable[[Any], T], encoding: str) -> Callable[[Any]
     asking = pack_command(("ASKING",), encoding)
 
     def run(connection: Any) -> T:
-        _send_and_read(connection, asking, 1)
+        send_and_read(connection, asking, 1)
         return exchange(connection)
 
     return run

@@ -7,7 +7,7 @@ from typing import Any
 import redis
 
 from celery_redislock.task import SingletonTaskMixin
-from celery_redislock.tokens import LockOwner, LockValue
+from celery_redislock.tokens import WAITING, LockOwner, LockValue
 
 
 def hold_lock(
@@ -32,3 +32,15 @@ def decoded(value: bytes | str | None) -> LockValue | None:
 def held_locks(client: redis.Redis) -> list[bytes]:
     """Lock keys present (fence counters, which may outlive their locks, left out)."""
     return [key for key in client.scan_iter(count=1000) if not key.endswith(b":fence")]
+
+
+def held(client: redis.Redis, key: str) -> bytes | None:
+    """The value ``key`` holds, as its holder stored it: a waiter's mark left out.
+
+    Whoever parks or waits behind a holder appends ``tokens.WAITING`` to its
+    value (issue 24), so that its release hands over or wakes them.
+    """
+    value = client.get(key)
+    if value is not None and value.endswith(WAITING.encode()):
+        return value[: -len(WAITING)]
+    return value

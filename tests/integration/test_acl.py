@@ -12,6 +12,7 @@ from celery import Celery
 from celery_redislock import LockBackendError, SingletonTask, Wait, is_skipped
 from celery_redislock.admin import LockInventory
 from celery_redislock.settings import forget_app_settings
+from celery_redislock.store import LockStore
 from tests.servers import RedisServer, wait_until
 
 #: The rules docs/_parts/topologies.md (ACL) gives a lock-store user, key prefix "redislock".
@@ -27,10 +28,36 @@ LOCK_USER_RULES = (
     "+pttl",
     "+del",
     "+time",
+    "+append",
     "+publish",
     "+subscribe",
     "+unsubscribe",
     "+scan",
+)
+
+#: And for hand-off, coalescing and debounce, and the workers' sweep
+#: (docs/_parts/topologies.md).
+HANDOFF_RULES = (
+    "+lpop",
+    "+rpush",
+    "+lpush",
+    "+lrem",
+    "+lpos",
+    "+lindex",
+    "+llen",
+    "+lrange",
+    "+hset",
+    "+hget",
+    "+hmget",
+    "+hdel",
+    "+hsetnx",
+    "+hexists",
+    "+hkeys",
+    "+hlen",
+    "+zadd",
+    "+zscore",
+    "+zrangebyscore",
+    "+zrem",
 )
 
 
@@ -44,6 +71,32 @@ def acl_server(redis_server_factory: Any) -> RedisServer:
         *[rule for rule in LOCK_USER_RULES if rule != "+set"],
     )  # fmt: skip
     return server
+
+
+#: And for hand-off, coalescing and debounce, and the workers' sweep
+#: (docs/_parts/topologies.md).
+HANDOFF_RULES = (
+    "+lpop",
+    "+rpush",
+    "+lpush",
+    "+lrem",
+    "+lpos",
+    "+lindex",
+    "+llen",
+    "+lrange",
+    "+hset",
+    "+hget",
+    "+hmget",
+    "+hdel",
+    "+hsetnx",
+    "+hexists",
+    "+hkeys",
+    "+hlen",
+    "+zadd",
+    "+zscore",
+    "+zrangebyscore",
+    "+zrem",
+)
 
 
 @pytest.fixture
@@ -130,15 +183,23 @@ def test_a_missing_permission_is_a_clear_error(
     assert "refused to acquire" in str(result.result)
     assert "must allow EVAL/EVALSHA, GET, SET" in str(result.result)
 
-    # Without PUBLISH the lock is taken and the body runs, but the release is
-    # refused: logged with the same hint, and the key expires with its TTL.
+    # Without PUBLISH a lock is taken and released as long as nobody waits
+    # for it (a release publishes only then); the release that must wake a
+    # waiter is refused with the same hint, and the key expires with its TTL.
     cannot_publish = make_app("nopublish")
 
     @cannot_publish.task(base=SingletonTask, bind=True, shared=False)
     def other(self: Any) -> str:
         return str(self.lock.key)
 
-    with caplog.at_level("ERROR", logger="celery_redislock"):
-        key = other.apply().get()
-    assert "refused to release" in caplog.text and "must allow" in caplog.text
-    wait_until(lambda: acl_server.client().exists(key) == 0, timeout=5)
+    key = other.apply().get()
+    assert acl_server.client().exists(key) == 0
+    store = LockStore(f"redis://nopublish:s3cret@127.0.0.1:{acl_server.port}/0")
+    try:
+        assert store.acquire("redislock:k", "holder", 1000).acquired
+        assert not store.acquire("redislock:k", "waiter", 1000, waiting=True).acquired
+        with pytest.raises(LockBackendError, match=r"refused to release.*must allow"):
+            store.release("redislock:k", "holder")
+    finally:
+        store.close()
+    wait_until(lambda: acl_server.client().exists("redislock:k") == 0, timeout=5)

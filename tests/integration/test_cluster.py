@@ -54,6 +54,7 @@ def test_task_locks_spread_over_every_master_and_contend(
     @app.task(base=SingletonTask, bind=True, shared=False)
     def job(self: Any, n: int) -> int:
         node = cluster.node_holding(self.lock.key)
+        assert self.lock.fence > 0  # issued on demand, on the key's node
         assert node.client().exists(self.lock.key, fence_key(self.lock.key)) == 2
         nodes_used.add(node.port)
         return n
@@ -151,8 +152,8 @@ def test_lock_limit_slots_share_one_hash_slot_and_work_on_a_cluster(
     values = [f"v1|t{i}|0|h|{i}|n|proj.export|0" for i in range(4)]
     taken = [store.acquire_slot(key, 3, value, 30000) for value in values]
     assert [t.key for t in taken[:3]] == slots and not taken[3].acquired
-    fences = [t.fence for t in taken[:3]]
-    assert fences == sorted(fences) and len(set(fences)) == 3
+    fences = [store.fence(t.key or key, v) for t, v in zip(taken[:3], values, strict=False)]
+    assert fences == sorted(fences) and len(set(fences)) == 3  # type: ignore[type-var]
     renewed = store.renew_many([(k, v, 60000) for k, v in zip(slots, values, strict=False)])
     assert renewed == [RenewOutcome.RENEWED] * 3
     assert store.release_slot_of(key, 3, "v1|t1|0|h|1|", "prefix") is ReleaseOutcome.RELEASED

@@ -24,31 +24,44 @@ def test_fences_strictly_increase_per_key(lock_client: redis.Redis) -> None:
     assert all(b > a for a, b in itertools.pairwise(fences))
 
 
-def test_retry_of_the_same_acquire_and_adoption_keep_the_fence(server: RedisServer) -> None:
+def test_a_holder_keeps_its_fence_and_later_holders_get_larger_ones(
+    server: RedisServer, lock_client: redis.Redis
+) -> None:
+    """Fences are issued on demand (issue 24): one per acquisition that reads one."""
+    with RedisLock(lock_client, "k", ttl=5) as lock:
+        first = lock.fence
+        assert lock.fence == first  # read again: the same acquisition's
     backend = LockStore(server.url_for(LOCK_DB))
-    first = backend.acquire("k", "mine", 5000)
-    again = backend.acquire("k", "mine", 5000)  # a client retry after a lost reply
-    adopted = backend.acquire("k", "running", 5000, adopt=("mine",))
-    assert first.fence == again.fence == adopted.fence
-    backend.release("k", "running")
-    assert (backend.acquire("k", "next", 5000).fence or 0) > (first.fence or 0)
+    assert backend.acquire("k", "mine", 5000).acquired
+    assert backend.acquire("k", "mine", 5000).acquired  # a client retry after a lost reply
+    assert backend.acquire("k", "running", 5000, adopt=("mine",)).acquired
+    assert backend.fence("k", "mine") is None  # taken over: no fence for the old value
+    adopted = backend.fence("k", "running")
+    assert adopted is not None and adopted > first
+    backend.release("k", "running", fenced=True)
+    assert backend.acquire("k", "next", 5000).acquired
+    assert (backend.fence("k", "next") or 0) > adopted
 
 
 def test_fences_keep_increasing_after_redis_restarts_empty(redis_server_factory) -> None:  # type: ignore[no-untyped-def]
     server: RedisServer = redis_server_factory()
     backend = LockStore(server.url)
-    before = backend.acquire("k", "a", 60000).fence
+    assert backend.acquire("k", "a", 60000).acquired
+    before = backend.fence("k", "a")
     server.restart()  # the counter is gone with everything else
-    after = backend.acquire("k", "b", 60000).fence
+    assert backend.acquire("k", "b", 60000).acquired
+    after = backend.fence("k", "b")
     assert before is not None and after is not None and after > before
 
 
 def test_the_fence_counter_expires(server: RedisServer, lock_client: redis.Redis) -> None:
     backend = LockStore(server.url_for(LOCK_DB), fence_ttl=2)
     backend.acquire("k", "v", 1000)
+    backend.fence("k", "v")
     # The lock's TTL, then fence_ttl after it: no key left behind for ever.
     assert 2000 < lock_client.pttl(fence_key("k")) <= 3000
     backend.acquire("long", "v", 10_000)
+    backend.fence("long", "v")
     assert lock_client.pttl(fence_key("long")) > 9000  # never shorter than the lock
 
 

@@ -10,7 +10,8 @@ import redis
 from celery_redislock import LockBackendError
 from celery_redislock.keys import debounce_key, handoff_keys, queued_key
 from celery_redislock.store import LockStore, ReleaseOutcome
-from tests.integration.test_acl import LOCK_USER_RULES
+from tests.helpers import held
+from tests.integration.test_acl import HANDOFF_RULES, LOCK_USER_RULES
 from tests.servers import RedisServer
 
 KEY = "redislock:t:{abc}"
@@ -44,7 +45,7 @@ def test_release_hands_the_lock_to_parked_executions_in_arrival_order(
     assert lock_client.llen(handoff_keys(KEY)[0]) == 3
 
     assert store.release(KEY, "holder") is ReleaseOutcome.RELEASED
-    assert lock_client.get(KEY) == b"handoff-0"  # held for the first parked execution
+    assert held(lock_client, KEY) == b"handoff-0"  # held for the first parked execution
     assert store.handed == [(KEY, "handoff-0", b"message-0")]  # type: ignore[attr-defined]
     # A newcomer meets the handed-over lock: it cannot jump the queue.
     assert not store.acquire(KEY, "newcomer", TTL).acquired
@@ -52,7 +53,7 @@ def test_release_hands_the_lock_to_parked_executions_in_arrival_order(
     granted = park(store, "value-0", "handoff-0", copy="woken", msg=b"")
     assert granted.result.acquired
     assert store.release(KEY, "value-0") is ReleaseOutcome.RELEASED
-    assert lock_client.get(KEY) == b"handoff-1"
+    assert held(lock_client, KEY) == b"handoff-1"
     assert store.handed[-1][1] == "handoff-1"  # type: ignore[attr-defined]
 
 
@@ -82,11 +83,13 @@ def test_entries_of_executions_that_already_ran_are_skipped_at_release(
     assert park(store, "a-net", "handoff-a", copy="net", msg=b"").result.acquired
     assert lock_client.lrange(handoff_keys(KEY)[0], 0, -1) == [b"handoff-b"]
     store.release(KEY, "a-net")
-    assert lock_client.get(KEY) == b"handoff-b"
+    assert held(lock_client, KEY) == b"handoff-b"
     store.release(KEY, "handoff-b")  # b's woken copy ran and released
     assert store.release(KEY, "x") is ReleaseOutcome.ALREADY_GONE
-    # Nothing parked any more: the flag is gone, the next release only reads it.
-    assert not lock_client.exists(handoff_keys(KEY)[3])
+    # Nothing parked any more: a new holder's value is unmarked, its release
+    # only reads and deletes the key.
+    assert store.acquire(KEY, "y", TTL).acquired
+    assert lock_client.get(KEY) == b"y"
 
 
 def test_a_coalesced_run_frees_its_queued_key_only_when_granted(
@@ -122,7 +125,7 @@ def test_debounce_moves_the_due_time_up_to_the_cap(
 def test_plain_acl_rules_still_release_and_hand_off_needs_its_own(
     redis_server_factory: Any,
 ) -> None:
-    handoff_rules = ("+lpop", "+rpush", "+lrem", "+hset", "+hget", "+hdel", "+hsetnx")
+    handoff_rules = HANDOFF_RULES
     server: RedisServer = redis_server_factory(
         "--user", "plain", "on", ">pw", *LOCK_USER_RULES,
         "--user", "parker", "on", ">pw", *LOCK_USER_RULES, *handoff_rules,
@@ -136,7 +139,7 @@ def test_plain_acl_rules_still_release_and_hand_off_needs_its_own(
         # Parking needs the list and hash commands, and says which.
         assert plain.acquire(KEY, "holder", TTL).acquired
         # Redis 7 says "can't run this command", Valkey 9 "has no permissions to run".
-        refused = r"(can't run this command|no permissions to run).*LPOP, RPUSH"
+        refused = r"(can.t run this command|no permissions to run).*list, hash and sorted-set"
         with pytest.raises(LockBackendError, match=refused):
             plain.park(KEY, "w", TTL, "h", "c", b"m", PARK_TTL)
         assert parker.park(KEY, "w", TTL, "h", "c", b"m", PARK_TTL).parked
@@ -157,7 +160,7 @@ def test_a_freed_slot_is_handed_to_the_first_parked_call(
     # A worker's parent releases the dead child b's slot by its owner prefix.
     assert store.release_slot_of(KEY, 2, "v1|b|0|h|", "prefix") is ReleaseOutcome.RELEASED
     slot2 = f"{KEY}:slot:2"
-    assert lock_client.get(slot2) == b"handoff-c"
+    assert held(lock_client, slot2) == b"handoff-c"
     assert store.handed == [(KEY, "handoff-c", b"m")]  # type: ignore[attr-defined]
     granted = store.park(KEY, "v1|c|0|h|1|n2|t|0", TTL, "handoff-c", "w", b"", PARK_TTL, limit=2)
     assert granted.result.acquired and granted.result.key == slot2
@@ -165,14 +168,14 @@ def test_a_freed_slot_is_handed_to_the_first_parked_call(
 
 
 def test_a_handed_over_holder_gets_a_larger_fence(store: LockStore) -> None:
-    first = store.acquire(KEY, "holder", TTL)
-    assert first.acquired
+    assert store.acquire(KEY, "holder", TTL).acquired
+    first = store.fence(KEY, "holder")
     assert park(store, "v", "handoff").parked
-    store.release(KEY, "holder")
+    store.release(KEY, "holder", fenced=True)
     granted = park(store, "v", "handoff", copy="woken", msg=b"")
     assert granted.result.acquired
-    assert granted.result.fence is not None and first.fence is not None
-    assert granted.result.fence > first.fence
+    second = store.fence(KEY, "v")
+    assert first is not None and second is not None and second > first
 
 
 def test_a_withdrawn_call_leaves_the_queue_and_no_copy_of_it_runs(
@@ -184,11 +187,11 @@ def test_a_withdrawn_call_leaves_the_queue_and_no_copy_of_it_runs(
     store.withdraw(KEY, "handoff-a", PARK_TTL)
     assert park(store, "a2", "handoff-a", copy="net", msg=b"").already_ran
     store.release(KEY, "holder")  # straight to b
-    assert lock_client.get(KEY) == b"handoff-b"
+    assert held(lock_client, KEY) == b"handoff-b"
     # A lock already handed to a call that then gives up passes on.
     assert park(store, "c", "handoff-c", msg=b"message-c").parked
     store.withdraw(KEY, "handoff-b", PARK_TTL)
-    assert lock_client.get(KEY) == b"handoff-c"
+    assert held(lock_client, KEY) == b"handoff-c"
     assert store.handed[-1][1] == "handoff-c"  # type: ignore[attr-defined]
 
 
@@ -200,7 +203,7 @@ def test_copies_of_a_call_whose_handed_lock_expired_unused_run_once(
     assert store.acquire(KEY, "holder", TTL).acquired
     assert park(store, "x", "handoff-x", copy="o").parked
     store.release(KEY, "holder")
-    assert lock_client.get(KEY) == b"handoff-x"
+    assert held(lock_client, KEY) == b"handoff-x"
     lock_client.delete(KEY)  # the hold ran out before any copy came
     woken = park(store, "x-woken", "handoff-x", copy="w:1", msg=b"")
     assert woken.result.acquired

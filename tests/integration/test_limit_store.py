@@ -109,9 +109,10 @@ def test_a_slot_held_by_the_same_task_is_contention(
 def test_fences_increase_across_slots(store: LockStore, lock_client: redis.Redis) -> None:
     fences = []
     for index in range(6):
-        result = store.acquire_slot(KEY, 3, value(f"f{index}"), 30000)
+        taken = value(f"f{index}")
+        result = store.acquire_slot(KEY, 3, taken, 30000)
         assert result.acquired
-        fences.append(result.fence)
+        fences.append(store.fence(result.key or KEY, taken))
         if index >= 2:
             # Free the slot just taken: the next acquire reuses it.
             store.release(result.key or KEY, lock_client.get(result.key or KEY).decode())

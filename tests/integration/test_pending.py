@@ -11,6 +11,7 @@ from celery_redislock.keys import debounce_key, handoff_keys, next_run_key, queu
 from celery_redislock.pending import Member, PendingIndex, Reaping
 from celery_redislock.store import LockStore, ReleaseOutcome
 from tests.conftest import LOCK_DB
+from tests.helpers import held
 from tests.servers import FaultProxy, RedisServer, wait_until
 
 KEY = "redislock:t:{abc}"
@@ -47,13 +48,13 @@ def test_a_sweep_hands_a_dead_holders_key_to_the_first_parked_call(
     assert park(store, index, "b", "handoff-b", b"message-b")
     _, due = index.due(10, 1000)
     assert due == [Member.parked(KEY, 1)]  # touched by the parks: look at once
-    held = index.reap_parked(KEY, 1, HANDOFF_TTL, 0)
-    assert held.outcome is Reaping.LATER and 9_000 < held.later_ms <= TTL
+    still_held = index.reap_parked(KEY, 1, HANDOFF_TTL, 0)
+    assert still_held.outcome is Reaping.LATER and 9_000 < still_held.later_ms <= TTL
     lock_client.delete(KEY)  # the holder's worker died; its TTL ran out
     handed = index.reap_parked(KEY, 1, HANDOFF_TTL, 0)
     assert handed.outcome is Reaping.PUBLISH
     assert (handed.handoff, handed.message) == ("handoff-a", b"message-a")
-    assert lock_client.get(KEY) == b"handoff-a"
+    assert held(lock_client, KEY) == b"handoff-a"
     assert 0 < lock_client.pttl(KEY) <= HANDOFF_TTL
     # The hold expired unused (the woken message died): a is handed again, first.
     lock_client.delete(KEY)
@@ -62,7 +63,7 @@ def test_a_sweep_hands_a_dead_holders_key_to_the_first_parked_call(
     # a runs (its copy is granted) and releases: b next, by the release itself.
     assert store.park(KEY, "a-run", TTL, "handoff-a", "r:1", b"", PARK_TTL).result.acquired
     assert store.release(KEY, "a-run") is ReleaseOutcome.RELEASED
-    assert lock_client.get(KEY) == b"handoff-b"
+    assert held(lock_client, KEY) == b"handoff-b"
     assert store.park(KEY, "b-run", TTL, "handoff-b", "w:1", b"", PARK_TTL).result.acquired
     store.release(KEY, "b-run")
     assert index.reap_parked(KEY, 1, HANDOFF_TTL, 0).outcome is Reaping.DONE
@@ -79,7 +80,7 @@ def test_a_copy_that_finds_the_key_free_hands_it_to_the_call_that_parked_first(
     late = store.park(KEY, "c-net", TTL, "handoff-c", "f:1", b"", PARK_TTL)
     assert not late.result.acquired and late.parked
     assert late.result.holder == "handoff-a"
-    assert lock_client.get(KEY) == b"handoff-a"
+    assert held(lock_client, KEY) == b"handoff-a"
     assert store.handed == [(KEY, "handoff-a", b"message-a")]  # type: ignore[attr-defined]
     assert lock_client.lrange(handoff_keys(KEY)[0], 0, -1) == [b"handoff-b", b"handoff-c"]
 
@@ -181,7 +182,7 @@ def test_a_release_retried_after_its_reply_was_lost_publishes_the_hand_over(
         store.release("redislock:t:{warm}", "x")  # the releases' connection is up
         proxy.lose_replies = 1  # the release runs; its reply is lost; the retry's is not
         assert store.release(KEY, "holder") is ReleaseOutcome.RELEASED
-        assert lock_client.get(KEY) == b"handoff-a"
+        assert held(lock_client, KEY) == b"handoff-a"
         assert handed == ["handoff-a"]
     finally:
         store.close()

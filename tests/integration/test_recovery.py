@@ -18,6 +18,7 @@ from celery_redislock.keys import queued_key, slot_key
 from celery_redislock.recovery import process_started_ms, recover_at_start, recover_locks
 from celery_redislock.settings import app_settings
 from celery_redislock.tokens import LockOwner, LockValue
+from tests.helpers import held
 from tests.servers import free_port
 
 NODE = "w1@recovery-host"
@@ -156,7 +157,7 @@ def test_a_released_key_is_handed_to_the_call_parked_behind_it(
     released = recover_locks(app, NODE, now_ms())
 
     assert [record.key for record in released] == [key("parked-on")]
-    assert lock_client.get(key("parked-on")) == b"handoff-1"
+    assert held(lock_client, key("parked-on")) == b"handoff-1"
     assert handed == [(key("parked-on"), "handoff-1", b"msg")]
 
 

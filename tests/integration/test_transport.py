@@ -25,8 +25,8 @@ from celery_redislock.transport import (
     NO_RETRY,
     Endpoint,
     Subscription,
-    _send_and_read,
     read_replies,
+    send_and_read,
 )
 from tests.conftest import LOCK_DB
 from tests.servers import RedisServer, server_busy
@@ -239,7 +239,7 @@ def test_error_replies_redis_py_treats_as_connection_errors_are_raised(
     ours, theirs = socket_pair
     theirs.sendall(reply)
     with pytest.raises(raised):
-        _send_and_read(_Connection(ours), b"*1\r\n$4\r\nPING\r\n", 1)
+        send_and_read(_Connection(ours), b"*1\r\n$4\r\nPING\r\n", 1)
     assert issubclass(raised, ConnectionError)
 
 
@@ -250,11 +250,11 @@ def test_readonly_from_a_sentinel_master_is_a_failover(
     ours, theirs = socket_pair
     readonly = b"-READONLY You can't write against a read only replica.\r\n"
     theirs.sendall(readonly)
-    (reply,) = _send_and_read(_Connection(ours), b"*1\r\n$4\r\nPING\r\n", 1)
+    (reply,) = send_and_read(_Connection(ours), b"*1\r\n$4\r\nPING\r\n", 1)
     assert isinstance(reply, ReadOnlyError)  # a plain server: a refusal, in place
     theirs.sendall(readonly)
     with pytest.raises(ConnectionError, match="previous master"):
-        _send_and_read(_Connection(ours, is_master=True), b"*1\r\n$4\r\nPING\r\n", 1)
+        send_and_read(_Connection(ours, is_master=True), b"*1\r\n$4\r\nPING\r\n", 1)
 
 
 def test_a_message_arriving_with_the_subscribe_confirmation_is_kept(server: RedisServer) -> None:

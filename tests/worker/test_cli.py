@@ -53,6 +53,7 @@ def test_ls_shows_a_running_task_and_purge_keeps_it_while_it_is_renewed(
 ) -> None:
     @app.task(base=SingletonTask, bind=True, shared=False, name="proj.long", lock_ttl=1.5)
     def long(self: Any, n: int) -> None:
+        assert self.lock.fence > 0  # issued on demand: `ls` shows it from now on
         record.set("started", self.request.id)
         wait_until(lambda: record.exists("finish"), timeout=30)
 
@@ -241,11 +242,13 @@ def test_ls_lists_standalone_reentrant_and_async_locks_held_under_the_prefix(
     prefix = LockInventory(app).prefix
     reentrant = RedisLock(lock_client, f"{prefix}:cron:nested", ttl=30, reentrant=True)
     assert reentrant.acquire() and reentrant.acquire()
+    assert (reentrant.fence or 0) > 0  # fences are issued on demand
 
     async def held_by_async_lock() -> Result:
         client = redis.asyncio.Redis(port=server.port, db=LOCK_DB)
         try:
-            async with AsyncRedisLock(client, f"{prefix}:web:report", ttl=30):
+            async with AsyncRedisLock(client, f"{prefix}:web:report", ttl=30) as held:
+                assert await held.fence() > 0
                 return await asyncio.to_thread(invoke, app, "ls", "--json")
         finally:
             await AsyncLockStore.for_client(client).aclose()

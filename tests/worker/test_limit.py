@@ -156,6 +156,7 @@ def test_one_renewal_round_trip_per_tick_for_all_slots_and_a_lost_slot_reported_
     @app.task(base=SingletonTask, shared=False, lock_args=(), lock_limit=3, lock_ttl=0.6)
     def hold(n: int) -> int:
         assert hold.lock is not None
+        assert hold.lock.fence > 0  # a holder that fences (issued on demand)
         handles.append(hold.lock)
         record.incr("holding")
         wait_until(lambda: record.get("go") == "1", timeout=20, interval=0.02)

@@ -1,0 +1,419 @@
+"""The Lua scripts of parked calls (``HandOff``) and of slots (``lock_limit``).
+
+Paid only by the tasks that use them: a task that may park takes its lock
+with :data:`PARK` (which also refuses a second copy of a parked call), and
+one with ``lock_limit`` > 1 with :data:`ACQUIRE_SLOT`. Values are compared
+with the waiting mark (``tokens.WAITING``) left out; a caller that parks
+behind a holder marks the holder's value, so that its release hands over.
+"""
+
+from __future__ import annotations
+
+from celery_redislock.scripts import HAND_OVER, SETTLE_FENCE
+from celery_redislock.transport import Script
+
+__all__ = [
+    "ACQUIRE_SLOT",
+    "ACQUIRE_SLOT_SCRIPT",
+    "PARK",
+    "PARK_SCRIPT",
+    "RELEASE_SLOTS",
+    "RELEASE_SLOTS_SCRIPT",
+    "UNPARK",
+    "UNPARK_SCRIPT",
+]
+
+# Marks every held slot's value as waited for (a value marked already is
+# left as it is). ``n`` slots in KEYS[1..n].
+_MARK_HOLDERS = """
+for i = 1, n do
+    local held = redis.call('GET', KEYS[i])
+    if held and string.sub(held, -2) ~= '|w' then
+        redis.call('APPEND', KEYS[i], '|w')
+    end
+end
+"""
+
+# KEYS[1..n]   - the lock's slot keys (n = #KEYS - 6; n = 1: the lock key
+#                itself; see keys.slot_keys for lock_limit)
+# KEYS[n+1]    - fence counter of the key, shared by its slots
+# KEYS[n+2..4] - its waiters list, parked hash and ran hash (keys.handoff_keys)
+# KEYS[n+5]    - its queued key (keys.queued_key), for a coalesced run
+# KEYS[n+6]    - the queued run's record (keys.next_run_key): deleted with it
+# ARGV[1..2]   - value, its TTL in ms
+# ARGV[3]      - how long the fence counter outlives a hold, in ms
+# ARGV[4]      - this call's hand-off value (tokens.LockValue.parked; '' for
+#                a run that never parks): the value a release leaves in a
+#                slot to hand the lock to it
+# ARGV[5]      - tag of this copy of the call (the original message, its
+#                woken message and each safety-net re-send have their own)
+# ARGV[6]      - the message to publish when the lock is handed to it; ''
+#                means do not park (only try)
+# ARGV[7]      - time to live in ms of the waiters, parked and ran keys, and
+#                of the queued key while its run is parked
+# ARGV[8]      - this execution's value in the queued key ('' if none):
+#                freed when the lock is granted, kept alive while parked
+# ARGV[9]      - "v1|<task id>|" when n > 1 (a slot held by the same task is
+#                contention, as ACQUIRE_SLOT), else ''
+# ARGV[10]     - time to live in ms of a slot handed to a parked call
+# ARGV[11..]   - values to take over, as ACQUIRE's ARGV[3..n]
+# returns {1, slot} when granted (a hand-off value that was parked or
+#         handed the lock, or of which a sweep published a copy (marked '?'
+#         in the ran hash), is marked as ran by this copy and leaves the
+#         queue; one never parked leaves no mark); {0, holder value, holder
+#         PTTL, parked} when every slot is held by another (the holder whose
+#         slot frees first; parked = 1 once its hand-off value is queued, at
+#         most once, and every holder marked); {2} when another copy of this
+#         call already ran (a redelivery of the granted copy is not refused);
+#         {3, hand-off value, its hold in ms, message} when a copy of a
+#         parked call found a free slot while an earlier parked call waits:
+#         the slot is handed to that one (the caller publishes its message)
+#         and this call stays parked, so parked calls run in the order they
+#         parked, whichever copy finds the key free first.
+PARK_SCRIPT = (
+    """
+local n = #KEYS - 6
+local counter_key = KEYS[n + 1]
+local waiters, parked_hash, ran = KEYS[n + 2], KEYS[n + 3], KEYS[n + 4]
+local queued = KEYS[n + 5]
+local copy
+if ARGV[4] ~= '' then
+    copy = redis.call('HGET', ran, ARGV[4])
+    if copy and copy ~= '?' and copy ~= ARGV[5] then
+        return {2}
+    end
+end
+local slot, mark, free, same_task, shortest, shortest_ttl, handed
+for i = 1, n do
+    local value = redis.call('GET', KEYS[i])
+    if value then
+        local marked = ''
+        if string.sub(value, -2) == '|w' then
+            value, marked = string.sub(value, 1, -3), '|w'
+        end
+        local ours = value == ARGV[1] or value == ARGV[4]
+        if not ours then
+            for j = 11, #ARGV do
+                if value == ARGV[j] then
+                    ours = true
+                    break
+                end
+            end
+        end
+        if ours then
+            slot, mark, handed = i, marked, value == ARGV[4]
+            break
+        end
+        if ARGV[9] ~= '' and string.sub(value, 1, #ARGV[9]) == ARGV[9] then
+            same_task = same_task or i
+        else
+            local rank = redis.call('PTTL', KEYS[i])
+            if rank < 0 then
+                rank = math.huge
+            end
+            if not shortest or rank < shortest_ttl then
+                shortest, shortest_ttl = i, rank
+            end
+        end
+    elseif not free then
+        free = i
+    end
+end
+if not slot and (same_task or not free) then
+    local blocker = same_task or shortest
+    local parked = 0
+    if ARGV[6] ~= '' then
+        if redis.call('HSETNX', parked_hash, ARGV[4], ARGV[6]) == 1 then
+            redis.call('RPUSH', waiters, ARGV[4])
+        elseif not redis.call('LPOS', waiters, ARGV[4]) then
+            -- Handed a slot once, and the hold expired before any copy ran
+            -- (the woken message died): first in line again.
+            redis.call('LPUSH', waiters, ARGV[4])
+        end
+        -- Parking again (a copy that was let through: the granted copy
+        -- redelivered) means the call is pending again: any copy may run it.
+        redis.call('HDEL', ran, ARGV[4])
+        redis.call('PEXPIRE', waiters, ARGV[7])
+        redis.call('PEXPIRE', parked_hash, ARGV[7])
+        if ARGV[8] ~= '' and redis.call('GET', queued) == ARGV[8] then
+            redis.call('PEXPIRE', queued, ARGV[7])
+        end
+"""
+    + _MARK_HOLDERS
+    + """
+        parked = 1
+    end
+    return {0, redis.call('GET', KEYS[blocker]), redis.call('PTTL', KEYS[blocker]), parked}
+end
+if not slot and ARGV[4] ~= '' and redis.call('HEXISTS', parked_hash, ARGV[4]) == 1 then
+    -- A copy of a parked call found a slot free (a safety net firing, a
+    -- sweep's copy): the call that parked first goes first.
+    local head
+    while true do
+        head = redis.call('LINDEX', waiters, 0)
+        if not head or head == ARGV[4] or redis.call('HEXISTS', parked_hash, head) == 1 then
+            break
+        end
+        redis.call('LPOP', waiters)
+    end
+    if head and head ~= ARGV[4] then
+        redis.call('LPOP', waiters)
+        redis.call('SET', KEYS[free], head .. '|w', 'PX', ARGV[10])
+        local hold_ms, fence_ttl = tonumber(ARGV[10]), tonumber(ARGV[3])
+"""
+    + SETTLE_FENCE
+    + """
+        return {3, head, tonumber(ARGV[10]), redis.call('HGET', parked_hash, head)}
+    end
+end
+if not slot then
+    slot, mark = free, ''
+    if redis.call('LLEN', waiters) > 0 then
+        -- Calls still wait (behind a holder that died): its release hands on.
+        mark = '|w'
+    end
+end
+redis.call('SET', KEYS[slot], ARGV[1] .. mark, 'PX', ARGV[2])
+if ARGV[4] ~= '' then
+    local was_parked = redis.call('HDEL', parked_hash, ARGV[4]) == 1
+    if was_parked then
+        redis.call('LREM', waiters, 0, ARGV[4])
+    end
+    -- A copy made by parking (tag other than the original's 'o') marks too:
+    -- after a hand-over whose hold expired unused, nothing else says so.
+    if was_parked or handed or ARGV[5] ~= 'o' or copy == '?' then
+        redis.call('HSET', ran, ARGV[4], ARGV[5])
+        redis.call('PEXPIRE', ran, ARGV[7])
+    end
+end
+if ARGV[8] ~= '' and redis.call('GET', queued) == ARGV[8] then
+    redis.call('DEL', queued, KEYS[n + 6])
+end
+return {1, slot}
+"""
+)
+
+# Withdraws a parked call that gave up (HandOff's max_wait, an interrupt
+# after it parked): it leaves the queue, every copy of it is dropped from
+# now on, and a slot already handed to it passes to the next parked call.
+#
+# KEYS[1..n]   - the lock's slot keys (n = #KEYS - 4)
+# KEYS[n+1..3] - its waiters list, parked hash and ran hash
+# KEYS[n+4]    - its fence counter, shared by its slots
+# ARGV[1]      - the call's hand-off value
+# ARGV[2]      - what to mark it ran by (a tag no copy has)
+# ARGV[3]      - time to live in ms of the ran hash
+# ARGV[4]      - time to live in ms of a slot handed to the next parked call
+# ARGV[5]      - channel to PUBLISH on when a slot is freed
+# ARGV[6]      - how long the fence counter outlives the hold, in ms (the
+#                counter is settled only when no slot is held)
+# returns 0, or {slot, hand-off value, message} when a slot held for the
+#         call was handed to the next parked call (the caller publishes it)
+UNPARK_SCRIPT = (
+    """
+local n = #KEYS - 4
+local waiters, parked_hash, ran = KEYS[n + 1], KEYS[n + 2], KEYS[n + 3]
+local counter_key, fence_ttl = KEYS[n + 4], tonumber(ARGV[6])
+if redis.call('HDEL', parked_hash, ARGV[1]) == 1 then
+    redis.call('LREM', waiters, 0, ARGV[1])
+end
+redis.call('HSET', ran, ARGV[1], ARGV[2])
+redis.call('PEXPIRE', ran, ARGV[3])
+for i = 1, n do
+    local held = redis.call('GET', KEYS[i])
+    if held == ARGV[1] or held == ARGV[1] .. '|w' then
+        local freed, handoff_ttl, handed = KEYS[i], ARGV[4], nil
+        redis.call('DEL', freed)
+"""
+    + HAND_OVER
+    + """
+        local hold_ms, occupied = 0, false
+        if handed then
+            hold_ms = tonumber(handoff_ttl)
+        end
+        for j = 1, n do
+            occupied = occupied or (j ~= i and redis.call('GET', KEYS[j]) ~= false)
+        end
+        if handed or not occupied then
+"""
+    + SETTLE_FENCE
+    + """
+        end
+        redis.call('PUBLISH', ARGV[5], '1')
+        if handed then
+            return {i, handed[1], handed[2]}
+        end
+        return 0
+    end
+end
+return 0
+"""
+)
+
+# At most N per key (lock_limit=N > 1): N slot keys, each an ordinary
+# token-owned lock (slot 1 is the key itself; see keys.slot_key). Renewal,
+# loss detection, fences and exact release work on the one slot a holder
+# took, with the lock's own scripts.
+#
+# KEYS[1..n] - the slot keys
+# ARGV[1]    - value to store
+# ARGV[2]    - time to live in milliseconds
+# ARGV[3]    - '1' to mark every holder when all slots are held (a caller
+#              that waits for a release: the Wait policy), else ''
+# ARGV[4]    - the caller's task prefix ("v1|<task id>|") or '': a slot
+#              holding a value with this prefix (another delivery or an
+#              earlier attempt of the same task) is contention, even if
+#              another slot is free: one message never runs twice at once
+# ARGV[5..m] - values this caller may take over (as ACQUIRE_SCRIPT's)
+# returns {1, slot} when a slot was taken: the first slot that holds
+#         ARGV[1] or one of ARGV[5..m] (a retry after a lost reply finds its
+#         own slot), else the first free slot. Any further slot holding one
+#         of our values is deleted, so a caller never holds two. {0, holder
+#         value, holder PTTL in ms} otherwise: a holder of the same task if
+#         any, else the holder with the shortest remaining PTTL (the slot
+#         that frees first).
+ACQUIRE_SLOT_SCRIPT = (
+    """
+local n = #KEYS
+local task_prefix = ARGV[4]
+local mine, mark, free, same_task, shortest, shortest_ttl
+local values = {}
+for i = 1, n do
+    local current = redis.call('GET', KEYS[i])
+    local marked = ''
+    if current and string.sub(current, -2) == '|w' then
+        current, marked = string.sub(current, 1, -3), '|w'
+    end
+    values[i] = current
+    if current then
+        local ours = current == ARGV[1]
+        if not ours then
+            for j = 5, #ARGV do
+                if current == ARGV[j] then
+                    ours = true
+                    break
+                end
+            end
+        end
+        if ours then
+            if mine then
+                redis.call('DEL', KEYS[i])
+            else
+                mine, mark = i, marked
+            end
+        elseif task_prefix ~= '' and string.sub(current, 1, #task_prefix) == task_prefix then
+            same_task = same_task or i
+        else
+            local rank = redis.call('PTTL', KEYS[i])
+            if rank < 0 then
+                rank = math.huge
+            end
+            if not shortest or rank < shortest_ttl then
+                shortest, shortest_ttl = i, rank
+            end
+        end
+    elseif not free then
+        free = i
+    end
+end
+local slot = mine
+if not slot then
+    local blocker = same_task
+    if not blocker and not free then
+        blocker = shortest
+    end
+    if blocker then
+        if ARGV[3] == '1' then
+"""
+    + _MARK_HOLDERS
+    + """
+        end
+        return {0, values[blocker], redis.call('PTTL', KEYS[blocker])}
+    end
+    slot = free
+end
+redis.call('SET', KEYS[slot], ARGV[1] .. (mark or ''), 'PX', ARGV[2])
+return {1, slot}
+"""
+)
+
+# Release whichever slot holds a value (lock_limit=N > 1): taking back the
+# value of an acquire whose reply was lost, and a worker's parent releasing
+# a dead child's slot by owner prefix, when neither knows the slot.
+#
+# KEYS[1..n]     - the slot keys (n = #KEYS - 3)
+# KEYS[n+1..n+2] - the key's waiters list and parked hash
+# KEYS[n+3]      - its fence counter, shared by its slots
+# ARGV[1]        - the holder's whole value (mode "exact") or an owner
+#                  prefix (mode "prefix")
+# ARGV[2]        - "exact" or "prefix"
+# ARGV[3]        - channel to PUBLISH on when released, to wake waiters
+# ARGV[4]        - time to live in ms of a slot handed to a parked call
+# ARGV[5]        - how long the fence counter outlives the hold, in ms (the
+#                  counter is settled only when no slot is held)
+# returns the number (1..n) of the slot released (every matching slot is
+#         deleted; the lowest is returned, and handed to the first parked
+#         call if any: then {slot, hand-off value, message}), 0 if none
+#         matched and some slot is empty, -1 if none matched and every slot
+#         holds another value
+RELEASE_SLOTS_SCRIPT = (
+    """
+local n = #KEYS - 3
+local released = 0
+local empty, occupied = false, false
+for i = 1, n do
+    local current = redis.call('GET', KEYS[i])
+    if not current then
+        empty = true
+    else
+        if string.sub(current, -2) == '|w' then
+            current = string.sub(current, 1, -3)
+        end
+        local ours
+        if ARGV[2] == 'prefix' then
+            ours = string.sub(current, 1, string.len(ARGV[1])) == ARGV[1]
+        else
+            ours = current == ARGV[1]
+        end
+        if ours then
+            redis.call('DEL', KEYS[i])
+            if released == 0 then
+                released = i
+            end
+        else
+            occupied = true
+        end
+    end
+end
+if released > 0 then
+    local freed, waiters, parked_hash = KEYS[released], KEYS[n + 1], KEYS[n + 2]
+    local handoff_ttl, handed = ARGV[4], nil
+"""
+    + HAND_OVER
+    + """
+    if handed or not occupied then
+        local counter_key, fence_ttl, hold_ms = KEYS[n + 3], tonumber(ARGV[5]), 0
+        if handed then
+            hold_ms = tonumber(handoff_ttl)
+        end
+"""
+    + SETTLE_FENCE
+    + """
+    end
+    redis.call('PUBLISH', ARGV[3], '1')
+    if handed then
+        return {released, handed[1], handed[2]}
+    end
+    return released
+end
+if empty then
+    return 0
+end
+return -1
+"""
+)
+
+ACQUIRE_SLOT = Script(ACQUIRE_SLOT_SCRIPT)
+PARK = Script(PARK_SCRIPT)
+RELEASE_SLOTS = Script(RELEASE_SLOTS_SCRIPT)
+UNPARK = Script(UNPARK_SCRIPT)

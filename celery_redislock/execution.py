@@ -48,6 +48,7 @@ from celery_redislock.policies import (
     Contention,
     ContentionPolicy,
     HandOff,
+    Retry,
     RetryInsteadOfSkip,
     RetryWhileOwnDeliveryHolds,
     backend_error_countdown,
@@ -334,6 +335,8 @@ class Execution:
             # (acks_late and a crash before the ack, a visibility timeout):
             # its result is already stored. Drop the copy.
             self._contended(result, "already_succeeded")
+            if self.parks:
+                self._withdraw()  # any parked entry of this call: it ran
             logger.info(
                 "%s[%s] delivered again after it succeeded; dropped (lock %s kept its window)",
                 task.name,
@@ -373,7 +376,12 @@ class Execution:
         if self.must_run:
             policy = handoff_policy(policy)
         if holder_task_id == request.id:
-            policy = RetryWhileOwnDeliveryHolds(policy)
+            # Its own earlier delivery holds the key: wait for it by retrying,
+            # never by parking (a parked call is handed the next free slot,
+            # with lock_limit > 1 while its own delivery still runs).
+            policy = RetryWhileOwnDeliveryHolds(
+                Retry(jitter=1.0, max_retries=0) if uses_handoff(policy) else policy
+            )
         elif is_redelivered:
             policy = RetryInsteadOfSkip(policy)
         # The holder's TTL costs a round trip (a contended SET NX GET names

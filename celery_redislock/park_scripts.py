@@ -84,6 +84,9 @@ if ARGV[4] ~= '' then
     end
 end
 local slot, mark, free, same_task, shortest, shortest_ttl, handed
+-- The tasks holding a slot ("v1|<task id>|"): a call of one of them is
+-- never handed another slot (one message never runs twice at once).
+local tasks = {}
 for i = 1, n do
     local value = redis.call('GET', KEYS[i])
     if value then
@@ -100,13 +103,13 @@ for i = 1, n do
                 end
             end
         end
-        if ours then
+        if ours and not slot then
             slot, mark, handed = i, marked, value == ARGV[4]
-            break
-        end
-        if ARGV[9] ~= '' and string.sub(value, 1, #ARGV[9]) == ARGV[9] then
+        elseif ARGV[9] ~= '' and string.sub(value, 1, #ARGV[9]) == ARGV[9] then
             same_task = same_task or i
-        else
+            tasks[ARGV[9]] = true
+        elseif not ours then
+            tasks[string.match(value, '^v1|[^|]*|') or value] = true
             local rank = redis.call('PTTL', KEYS[i])
             if rank < 0 then
                 rank = math.huge
@@ -118,6 +121,10 @@ for i = 1, n do
     elseif not free then
         free = i
     end
+end
+if slot and handed and same_task then
+    -- Handed a slot while its own task runs in another (a redelivery): not now.
+    slot = nil
 end
 if not slot and (same_task or not free) then
     local blocker = same_task or shortest
@@ -149,15 +156,19 @@ if not slot and ARGV[4] ~= '' and redis.call('HEXISTS', parked_hash, ARGV[4]) ==
     -- A copy of a parked call found a slot free (a safety net firing, a
     -- sweep's copy): the call that parked first goes first.
     local head
-    while true do
-        head = redis.call('LINDEX', waiters, 0)
-        if not head or head == ARGV[4] or redis.call('HEXISTS', parked_hash, head) == 1 then
+    for _, waiter in ipairs(redis.call('LRANGE', waiters, 0, -1)) do
+        if waiter == ARGV[4] then
             break
         end
-        redis.call('LPOP', waiters)
+        if redis.call('HEXISTS', parked_hash, waiter) == 0 then
+            redis.call('LREM', waiters, 1, waiter)
+        elseif not tasks[string.match(waiter, '^v1|[^|]*|') or waiter] then
+            head = waiter
+            break
+        end
     end
-    if head and head ~= ARGV[4] then
-        redis.call('LPOP', waiters)
+    if head then
+        redis.call('LREM', waiters, 1, head)
         redis.call('SET', KEYS[free], head .. '|w', 'PX', ARGV[10])
         local hold_ms, fence_ttl = tonumber(ARGV[10]), tonumber(ARGV[3])
 """

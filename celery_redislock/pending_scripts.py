@@ -118,7 +118,7 @@ REAP_PARKED_SCRIPT = (
 local n = #KEYS - 3
 local waiters, parked_hash = KEYS[n + 1], KEYS[n + 2]
 local free, soonest
-local holding = {}
+local holding, tasks = {}, {}
 for i = 1, n do
     local value = redis.call('GET', KEYS[i])
     if value then
@@ -126,6 +126,7 @@ for i = 1, n do
             value = string.sub(value, 1, -3)
         end
         holding[value] = true
+        tasks[string.match(value, '^v1|[^|]*|') or value] = true
         local pttl = redis.call('PTTL', KEYS[i])
         if pttl < 0 then
             pttl = 60000
@@ -148,19 +149,26 @@ local listed = {}
 for _, waiter in ipairs(redis.call('LRANGE', waiters, 0, -1)) do
     listed[waiter] = true
 end
+-- A call whose own task holds a slot waits (one message never runs twice
+-- at once): it is skipped, and keeps its place.
+local function free_to_run(waiter)
+    return not holding[waiter] and not tasks[string.match(waiter, '^v1|[^|]*|') or waiter]
+end
 for _, waiter in ipairs(redis.call('HKEYS', parked_hash)) do
-    if not listed[waiter] and not holding[waiter] then
+    if not listed[waiter] and free_to_run(waiter) then
         handed = waiter
         break
     end
 end
-while not handed do
-    local waiter = redis.call('LPOP', waiters)
-    if not waiter then
-        break
-    end
-    if not holding[waiter] and redis.call('HEXISTS', parked_hash, waiter) == 1 then
-        handed = waiter
+if not handed then
+    for _, waiter in ipairs(redis.call('LRANGE', waiters, 0, -1)) do
+        if redis.call('HEXISTS', parked_hash, waiter) == 0 then
+            redis.call('LREM', waiters, 1, waiter)
+        elseif free_to_run(waiter) then
+            handed = waiter
+            redis.call('LREM', waiters, 1, waiter)
+            break
+        end
     end
 end
 if not handed then

@@ -13,9 +13,12 @@ import redis
 from celery import Celery, group
 
 from celery_redislock import HandOff, LockContended, SingletonTask
-from celery_redislock.keys import debounce_key, handoff_keys, queued_key
+from celery_redislock.keys import debounce_key, handoff_keys, queued_key, slot_keys
+from celery_redislock.pending import PendingIndex
 from celery_redislock.store import LockStore
+from celery_redislock.tokens import LockOwner, LockValue
 from tests.conftest import BROKER_DB, embedded_worker
+from tests.helpers import held
 from tests.servers import wait_until
 
 pytestmark = pytest.mark.worker
@@ -647,3 +650,125 @@ def test_parked_calls_behind_an_idempotency_window_run_in_the_order_they_parked(
     for (_, end, _), (start, _, label) in itertools.pairwise(spans):
         # After the window (3 s), within a sweep interval and a little.
         assert 3.0 <= start - end < 4.5, f"{label} started {start - end:.3f}s after the run before"
+
+
+def _max_overlap(record: redis.Redis, name: str) -> int:
+    """Most bodies running at once, from the ``start|end`` spans recorded in ``name``."""
+    edges = sorted(
+        (float(edge), step)
+        for span in record.lrange(name, 0, -1)
+        for edge, step in zip(span.split("|")[:2], (1, -1), strict=True)
+    )
+    running = peak = 0
+    for _, step in edges:
+        running += step
+        peak = max(peak, running)
+    return peak
+
+
+@pytest.mark.parametrize("limit", [1, 2])
+def test_two_deliveries_of_one_task_id_never_run_at_once_with_hand_off(
+    app_factory: Any, record: redis.Redis, limit: int
+) -> None:
+    """A redelivered copy meets its own first delivery: it waits for it, never beside it.
+
+    With ``lock_limit=2`` a slot is free: the copy must not park and be handed
+    it (by a release or a sweep) while its first delivery still runs.
+    """
+    app = app_factory(redislock_sweep_interval=0.2, redislock_ttl=5)
+
+    @app.task(
+        base=SingletonTask,
+        shared=False,
+        lock_args=(),
+        lock_limit=limit,
+        lock_on_contention=HandOff(max_wait=60),
+    )
+    def job(label: str) -> str:
+        start = time.time()
+        time.sleep(2)
+        record.rpush("spans", f"{start}|{time.time()}|{label}")
+        return label
+
+    with embedded_worker(app, "threads", 3):
+        job.apply_async(("first",), task_id="T-same")
+        wait_until(lambda: _held(app, job), timeout=20)
+        job.apply_async(("second",), task_id="T-same")  # the same message again
+        wait_until(lambda: record.llen("spans") == 2, timeout=40)
+    assert _max_overlap(record, "spans") == 1
+
+
+def test_a_copy_of_a_parked_call_is_not_granted_a_slot_while_its_own_task_holds_another(
+    lock_client: redis.Redis,
+) -> None:
+    """lock_limit=2: task T's redelivery parked while T's first delivery holds slot 1.
+
+    Slot 2 frees (its holder died); a later call's safety net finds it free.
+    Neither that copy (handing over to the head of the line) nor a sweep may
+    give slot 2 to T's copy while T still runs in slot 1.
+    """
+    store = LockStore(client=lock_client)
+    store.handoff_ttl_ms = 5000
+    store.on_handoff = lambda *_: None
+    index = PendingIndex(store, "redislock")
+    key = "redislock:job:{k}"
+    slot_1, slot_2 = slot_keys(key, 2)
+
+    def value(task_id: str, pid: int) -> str:
+        return LockValue.new_encoded(LockOwner(task_id, 0, "h", pid), "job")
+
+    def park(task_id: str, pid: int, copy: str, message: bytes) -> Any:
+        handoff = LockValue.parked(task_id, 0, "job").encode()
+        return store.park(
+            key, value(task_id, pid), 10_000, handoff, copy, message, limit=2,
+            task_prefix=LockOwner.task_prefix(task_id),
+        )  # fmt: skip
+
+    running_t = value("T", 1)
+    assert store.acquire_slot(key, 2, running_t, 10_000).key == slot_1
+    assert store.acquire_slot(key, 2, value("H", 2), 10_000).key == slot_2
+    park("T", 3, "o", b"msg-T")  # T's redelivery: its own task holds slot 1
+    assert park("B", 4, "o", b"msg-B").parked
+    lock_client.delete(slot_2)  # H's worker died; its slot expired
+    park("B", 5, "f:1", b"")  # B's safety net
+    index.reap_parked(key, 2, 5000, 0)  # a sweep: slot 2 is not T's either
+    woken = park("T", 6, "w:1", b"")  # whatever T's copy finds, it must not run now
+    assert not woken.result.acquired
+    assert held(lock_client, slot_1) == running_t.encode()
+
+
+def test_a_second_delivery_inside_the_idempotency_window_never_runs_again(
+    app_factory: Any, record: redis.Redis
+) -> None:
+    """``lock_hold_after_success`` + ``HandOff``: the same webhook delivered again while
+    its first run runs. It never runs a second time: not beside it, not after the window."""
+    app = app_factory(redislock_ttl=2, redislock_sweep_interval=0.2)
+
+    @app.task(
+        base=SingletonTask,
+        shared=False,
+        lock_args=("payment",),
+        lock_on_contention=HandOff(max_wait=600, jitter=0),
+        lock_hold_after_success=4,
+    )
+    def process_payment(payment: str) -> str:
+        record.rpush("runs", payment)
+        time.sleep(1.5)
+        return payment
+
+    with embedded_worker(app, "threads", 2):
+        first = process_payment.apply_async(("pay-1",), task_id="webhook-pay-1")
+        wait_until(lambda: record.llen("runs") == 1, timeout=20)
+        process_payment.apply_async(("pay-1",), task_id="webhook-pay-1")  # redelivered
+        assert first.get(timeout=20) == "pay-1"
+        # Past the window (4 s) and a sweep: nothing runs it again.
+        wait_until(
+            lambda: (
+                not process_payment._lock_settings().backend.inspect(
+                    process_payment.lock_key_for(("pay-1",), {})
+                )[0]
+            ),
+            timeout=20,
+        )
+        time.sleep(1.0)  # the observation window: a sweep would hand it over now
+    assert record.lrange("runs", 0, -1) == ["pay-1"]

@@ -13,13 +13,14 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Sequence
+from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any
 
 from celery.utils import uuid
 
 from celery_redislock import signals
 from celery_redislock.exceptions import AlreadyQueued, LockBackendError
-from celery_redislock.handoff import pack_signature
+from celery_redislock.handoff import app_pending, pack_signature
 from celery_redislock.headers import (
     DEBOUNCE_HEADER,
     HANDOFF_HEADER,
@@ -28,7 +29,7 @@ from celery_redislock.headers import (
     seconds_until,
 )
 from celery_redislock.keys import queued_key
-from celery_redislock.pending import Member, PendingIndex
+from celery_redislock.pending import Member
 from celery_redislock.store import AcquireResult, LockStore
 from celery_redislock.takeback import take_back_value
 from celery_redislock.tokens import LockValue
@@ -133,17 +134,17 @@ def publish_once(
         try:
             return publish(args, kwargs, task_id=task_id, headers=headers, **options)
         finally:
-            take_back_value(settings.backend, key, token, now=False, ttl=ttl)  # store just failed
+            take_back_value(settings.backend, key, token, now=False)  # the store just failed
     except BaseException:
         # Interrupted: the key may hold a token for a task never published.
-        take_back_value(settings.backend, key, token, ttl=ttl)
+        take_back_value(settings.backend, key, token)
         raise
     if not result.acquired:
         return _duplicate(task, settings, key, task_id, result)
     try:
         return publish(args, kwargs, task_id=task_id, headers=headers, **options)
     except BaseException:
-        take_back_value(settings.backend, key, token, ttl=ttl)  # nothing was queued: free it
+        take_back_value(settings.backend, key, token)  # nothing was queued: free the key
         raise
 
 
@@ -158,13 +159,29 @@ def stored_message(
     """The hand-off value of a new call, and its message as the lock store keeps it.
 
     A worker's sweep publishes the message if the call has not started a
-    while after it was due (its worker died holding it): same task id and
-    arguments, no countdown (it is overdue), the call's hand-off value in
-    its headers (which copy ran is marked by it), ``retries`` set so that
-    publishing it never goes through enqueue-time dedup again.
+    while after it was due (its worker died holding it): same task id,
+    arguments and routing, no countdown (it is overdue), an ``expires`` in
+    seconds made absolute (a copy expires when the call does), the call's
+    hand-off value in its headers (which copy ran is marked by it), and
+    ``retries`` set, so that publishing it never goes through enqueue-time
+    dedup again. Options that are objects of this process (a producer, a
+    connection) are not kept; a kombu ``Queue`` or ``Exchange`` is kept by
+    name.
     """
     handoff = LockValue.parked(task_id, 0, task.name).encode()
-    kept = {name: value for name, value in options.items() if name not in _NOT_KEPT}
+    kept: dict[str, Any] = {}
+    for name in _KEPT:
+        value = options.get(name)
+        if value is None:
+            continue
+        if name in ("queue", "exchange") and not isinstance(value, str):
+            value = getattr(value, "name", None)
+        elif name == "expires" and isinstance(value, (int, float)):
+            value = (datetime.now(timezone.utc) + timedelta(seconds=value)).isoformat()
+        elif isinstance(value, datetime):
+            value = value.isoformat()
+        if value is not None:
+            kept[name] = value
     signature = task.signature(
         args,
         kwargs,
@@ -176,8 +193,32 @@ def stored_message(
     return handoff, pack_signature(signature, options.get("serializer") or task.serializer)
 
 
-#: Options a stored message leaves out: it is published once it is overdue.
-_NOT_KEPT = ("countdown", "eta", "headers", "task_id", "retries")
+#: The options a stored message keeps: its routing and its limits.
+_KEPT = (
+    "queue",
+    "routing_key",
+    "exchange",
+    "exchange_type",
+    "priority",
+    "expires",
+    "time_limit",
+    "soft_time_limit",
+    "serializer",
+    "compression",
+    "shadow",
+    "ignore_result",
+    "root_id",
+    "parent_id",
+)
+
+
+def _grace(settings: TaskSettings) -> float:
+    """Seconds a sweep waits past a run's due time before it publishes a copy.
+
+    The lock TTL (how long a holder's death goes unnoticed), at most half
+    the enqueue TTL: the run's key and record must outlive the first copy.
+    """
+    return min(settings.ttl, settings.enqueue_ttl / 2)
 
 
 def _queue_run(
@@ -194,15 +235,17 @@ def _queue_run(
 ) -> AcquireResult:
     """Take ``key``'s queued key for a coalesced run and keep its message (one round trip)."""
     handoff, message = stored_message(task, args, kwargs, task_id, options, options["headers"])
-    pending = PendingIndex(_producer_store(settings), settings.app.key_prefix)
+    pending = app_pending(task.app, _producer_store(settings), settings.app.key_prefix)
+    grace = _grace(settings)
     queued, holder, remaining = pending.queue_run(
         key,
         token,
         max(int(ttl * 1000), 1),
         handoff,
         message,
-        int((delay + settings.ttl) * 1000),
+        int((delay + grace) * 1000),
         task_id,
+        int(grace * 1000),
     )
     return AcquireResult(queued, holder, remaining)
 
@@ -227,7 +270,8 @@ def _publish_debounced(
     """
     task_id = options.pop("task_id", None) or uuid()
     window_ms = max(int(settings.debounce * 1000), 1)
-    grace_ms = max(int(settings.ttl * 1000), 1)
+    grace_ms = max(int(_grace(settings) * 1000), 1)
+    delay_ms = int(seconds_until(options.get("eta") or options.get("countdown")) * 1000)
     handoff, message = stored_message(
         task,
         args,
@@ -236,7 +280,7 @@ def _publish_debounced(
         options,
         {**(options.get("headers") or {}), DEBOUNCE_HEADER: True},
     )
-    pending = PendingIndex(_producer_store(settings), settings.app.key_prefix)
+    pending = app_pending(task.app, _producer_store(settings), settings.app.key_prefix)
     try:
         new, burst_id, due = _producer_store(settings).debounce(
             key,
@@ -245,8 +289,9 @@ def _publish_debounced(
             max(int(settings.debounce_max_wait * 1000), 1),
             message,
             handoff,
-            pending.touch_call(Member.debounced(key, task_id), window_ms + grace_ms),
+            pending.touch_call(Member.debounced(key), max(window_ms, delay_ms) + grace_ms),
             grace_ms,
+            delay_ms,
         )
     except LockBackendError as exc:
         # Never drop the call: publish it now, undebounced (the run-time

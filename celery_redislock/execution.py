@@ -24,7 +24,7 @@ from celery_redislock import signals
 from celery_redislock._clock import clock
 from celery_redislock.abort import interrupter_for_current_thread
 from celery_redislock.exceptions import LockBackendError, LockContended, LockKeyError
-from celery_redislock.handoff import marker_ttl_ms, pack_message, pack_signature
+from celery_redislock.handoff import app_pending, marker_ttl_ms, pack_message, pack_signature
 from celery_redislock.headers import (
     BACKEND_RETRIES_HEADER,
     DEBOUNCE_HEADER,
@@ -42,7 +42,7 @@ from celery_redislock.headers import (
 )
 from celery_redislock.keys import queued_key
 from celery_redislock.lease import LockHandle
-from celery_redislock.pending import Member, PendingIndex
+from celery_redislock.pending import OUTBOX_TTL_MS, Member, PendingIndex
 from celery_redislock.policies import (
     LOCK_ACQUIRED,
     Contention,
@@ -242,7 +242,8 @@ class Execution:
     @functools.cached_property
     def pending(self) -> PendingIndex:
         """The app's pending calls (``pending.py``), for the runs that may park."""
-        return PendingIndex(self.settings.backend, self.settings.app.key_prefix)
+        settings = self.settings
+        return app_pending(self.task.app, settings.backend, settings.app.key_prefix)
 
     def _forget_queued_run(self) -> ScriptCall | None:
         """A coalesced run's member of the pending index goes once it starts or parks."""
@@ -507,7 +508,7 @@ class Execution:
         request = self.request
         task_id = request.id or ""
         due = self.settings.backend.debounce_due(
-            self.key, task_id, after=self.pending.forget_debounced_call(self.key, task_id)
+            self.key, task_id, after=self.pending.forget_debounced_call(self.key)
         )
         if due > 0:
             logger.info(
@@ -559,7 +560,6 @@ class Execution:
             self.value,
             now=False,
             limit=self.settings.limit,
-            ttl=self.settings.ttl,
         )
         on_backend_error(self.task, self.settings, self.key, exc, self.value)
 
@@ -803,8 +803,11 @@ def keep_in_outbox(
         task.signature(signature.args, signature.kwargs, **options), task.serializer
     )
     try:
-        PendingIndex(settings.backend, settings.app.key_prefix).put_outbox(
-            f"{request.id}:{new_nonce()}", message, int(countdown * 1000)
+        if settings.app.sweep_interval <= 0:
+            # Nothing here would ever publish it (redislock_sweep_interval=0).
+            raise LockBackendError("this worker does not sweep (redislock_sweep_interval=0)")
+        app_pending(task.app, settings.backend, settings.app.key_prefix).put_outbox(
+            f"{request.id}:{new_nonce()}", message, int(countdown * 1000), OUTBOX_TTL_MS
         )
     except LockBackendError as store_error:
         if task.acks_late:

@@ -34,15 +34,18 @@ from kombu.serialization import dumps as kombu_dumps
 from kombu.serialization import loads as kombu_loads
 
 from celery_redislock.headers import HANDOFF_COPY_HEADER
+from celery_redislock.pending import PendingIndex
 from celery_redislock.tokens import new_nonce
 
 if TYPE_CHECKING:
     from celery import Celery
     from celery.canvas import Signature
 
+    from celery_redislock.store import LockStore
     from celery_redislock.task import SingletonTaskMixin
 
 __all__ = [
+    "app_pending",
     "marker_ttl_ms",
     "pack_message",
     "pack_signature",
@@ -75,6 +78,15 @@ def pack_signature(signature: Any, serializer: str | None) -> bytes:
     data = body if isinstance(body, bytes) else body.encode("utf-8")
     envelope = {"ct": content_type, "ce": encoding, "b": base64.b64encode(data).decode("ascii")}
     return json.dumps(envelope, separators=(",", ":")).encode("ascii")
+
+
+def app_pending(app: Celery, store: LockStore, prefix: str) -> PendingIndex:
+    """``app``'s pending calls in ``store``: an index of its own, named by its main name.
+
+    A sweep publishes through its app's broker, so apps never share one,
+    even with one lock store and one prefix.
+    """
+    return PendingIndex(store, prefix, str(app.main or "celery"))
 
 
 def marker_ttl_ms(conf: Any, enqueue_ttl: float, ttl: float) -> int:

@@ -360,18 +360,22 @@ def handoff_keys(key: str) -> tuple[str, str, str]:
     return stem + "waiters", stem + "parked", stem + "ran"
 
 
-def pending_keys(prefix: str) -> tuple[str, str]:
-    """Return the keys of the app's pending calls: the index and the outbox, one slot.
+def pending_keys(prefix: str, app: str) -> tuple[str, str]:
+    """Return the keys of an app's pending calls: the index and the outbox, one slot.
 
-    * ``<prefix>:{pending}:index``: a sorted set, member -> when (server ms)
-      a worker's sweep should look at it (see ``pending.py``);
-    * ``<prefix>:{pending}:outbox``: a hash, id -> a message to publish.
+    * ``<prefix>:{pending:<app>}:index``: a sorted set, member -> when
+      (server ms) a worker's sweep should look at it (see ``pending.py``);
+    * ``<prefix>:{pending:<app>}:outbox``: a hash, id -> a message to publish.
 
-    Both start with the prefix (an ACL's ``~<prefix>:*`` covers them) and
-    share a hash tag (one script may touch both on a cluster). No lock key
-    ends with ``:index`` or ``:outbox`` (a task key ends with its tag).
+    One pair per app (``app``: its main name): a sweep publishes through its
+    own app's broker, so it must never find another app's calls, even of an
+    app that shares the lock store and the prefix. Both start with the prefix
+    (an ACL's ``~<prefix>:*`` covers them) and share a hash tag (one script
+    may touch both on a cluster). No lock key ends with ``:index`` or
+    ``:outbox`` (a task key ends with its tag).
     """
-    return f"{prefix}:{{pending}}:index", f"{prefix}:{{pending}}:outbox"
+    name = app.replace("{", "(").replace("}", ")")
+    return f"{prefix}:{{pending:{name}}}:index", f"{prefix}:{{pending:{name}}}:outbox"
 
 
 def next_run_key(key: str) -> str:

@@ -278,7 +278,7 @@ class RedisLock:
             # that value over instead of waiting out its TTL.
             _note_unsettled(self.backend, self.name, value)
             # And if none comes, it is taken back in the background.
-            take_back_value(self.backend, self.name, value, now=False, ttl=self.ttl)
+            take_back_value(self.backend, self.name, value, now=False)
             raise
         except BaseException:
             # Interrupted with the outcome unknown (between sending the
@@ -295,7 +295,7 @@ class RedisLock:
                 _note_unsettled(self.backend, self.name, value)
                 with contextlib.suppress(LockBackendError):
                     release_completely(lambda: self.backend.release(self.name, value))
-                take_back_value(self.backend, self.name, value, now=False, ttl=self.ttl)
+                take_back_value(self.backend, self.name, value, now=False)
             raise
         return True
 

@@ -14,7 +14,7 @@ says when a sweep should look at it:
 * ``q|<task id>|<key>``: ``key``'s coalesced run, published and not
   started (``REAP_QUEUED_SCRIPT``); dropped in the round trip that starts
   or parks it;
-* ``d|<task id>|<key>``: ``key``'s debounced run, due and not started
+* ``d||<key>``: ``key``'s debounced run, due and not started
   (``REAP_DEBOUNCED_SCRIPT``); dropped in the round trip that starts it;
 * ``o|<id>``: a re-send whose publish failed, kept in the outbox.
 
@@ -49,9 +49,8 @@ from celery_redislock.pending_scripts import (
     DUE,
     FORGET_DEBOUNCED,
     FORGET_QUEUED,
-    OUTBOX_DONE,
-    OUTBOX_GET,
     OUTBOX_PUT,
+    OUTBOX_TAKE,
     QUEUE_RUN,
     REAP_DEBOUNCED,
     REAP_PARKED,
@@ -63,11 +62,16 @@ from celery_redislock.store import LockStore, backend_error, decode_text
 from celery_redislock.transport import ScriptCall
 
 __all__ = [
+    "OUTBOX_TTL_MS",
     "Member",
     "PendingIndex",
     "Reaped",
     "Reaping",
 ]
+
+
+#: How long an outbox lives past its last message, in ms (a week).
+OUTBOX_TTL_MS = 7 * 24 * 3_600_000
 
 
 class Member:
@@ -86,9 +90,9 @@ class Member:
         return f"q|{quote(task_id, safe='')}|{key}"
 
     @staticmethod
-    def debounced(key: str, task_id: str) -> str:
-        """``key``'s debounced run ``task_id``."""
-        return f"d|{quote(task_id, safe='')}|{key}"
+    def debounced(key: str) -> str:
+        """``key``'s debounced run (whichever burst is open)."""
+        return f"d||{key}"
 
     @staticmethod
     def parse(member: str) -> tuple[str, str, str]:
@@ -100,7 +104,7 @@ class Member:
         kind, _, rest = member.partition("|")
         if kind in (Member.PARKED, Member.QUEUED, Member.DEBOUNCED):
             detail, _, key = rest.partition("|")
-            if key and detail:
+            if key and (detail or kind == Member.DEBOUNCED):
                 return kind, key, unquote(detail)
         elif kind == Member.OUTBOX and rest:
             return kind, rest, ""
@@ -149,11 +153,12 @@ class PendingIndex:
     Args:
         store: The app's lock store.
         prefix: The app's key prefix (``redislock_key_prefix``).
+        app: The app's main name (``Celery(main)``; its index is its own).
     """
 
-    def __init__(self, store: LockStore, prefix: str) -> None:
+    def __init__(self, store: LockStore, prefix: str, app: str) -> None:
         self.store = store
-        self.index, self.outbox = pending_keys(prefix)
+        self.index, self.outbox = pending_keys(prefix, app)
 
     def touch_call(self, member: str, delay_ms: int) -> ScriptCall:
         """The script call that asks a sweep to look at ``member`` in ``delay_ms`` at the latest.
@@ -184,23 +189,31 @@ class PendingIndex:
         self._run([(SETTLE, (self.index,), (member, claim, later))], "sweep")
 
     def reap_parked(self, key: str, limit: int, handoff_ttl_ms: int, fence_ttl_ms: int) -> Reaped:
-        """Hand a free slot of ``key`` to the first parked call (see ``REAP_PARKED_SCRIPT``)."""
+        """Hand a free slot of ``key`` to the first parked call (see ``REAP_PARKED_SCRIPT``).
+
+        A retry after a lost reply asks for the hand-over the lost reply was.
+        """
         waiters, parked, _ = handoff_keys(key)
         keys = (*slot_keys(key, limit), waiters, parked, fence_key(key))
-        (reply,) = self._run([(REAP_PARKED, keys, (handoff_ttl_ms, fence_ttl_ms))], "hand over")
+        first = (REAP_PARKED, keys, (handoff_ttl_ms, fence_ttl_ms, ""))
+        again = (REAP_PARKED, keys, (handoff_ttl_ms, fence_ttl_ms, "1"))
+        try:
+            reply = self.store.run_script_or_retry(first, again, short=True)
+        except RedisError as exc:
+            raise backend_error(exc, "hand over", key, self.store.describe()) from exc
         return _reaped(reply)
 
-    def reap_queued(self, key: str, task_id: str, grace_ms: int, ran_ttl_ms: int) -> Reaped:
+    def reap_queued(self, key: str, task_id: str, ran_ttl_ms: int) -> Reaped:
         """A copy of ``key``'s coalesced run if it is overdue (see ``REAP_QUEUED_SCRIPT``)."""
         _, parked, ran = handoff_keys(key)
         keys = (queued_key(key), next_run_key(key), ran, parked)
-        (reply,) = self._run([(REAP_QUEUED, keys, (grace_ms, ran_ttl_ms, task_id))], "sweep")
+        (reply,) = self._run([(REAP_QUEUED, keys, (ran_ttl_ms, task_id))], "sweep")
         return _reaped(reply)
 
-    def reap_debounced(self, key: str, task_id: str, grace_ms: int, ran_ttl_ms: int) -> Reaped:
+    def reap_debounced(self, key: str, ran_ttl_ms: int) -> Reaped:
         """A copy of ``key``'s debounced run if it is overdue (see ``REAP_DEBOUNCED_SCRIPT``)."""
         keys = (debounce_key(key), handoff_keys(key)[2])
-        (reply,) = self._run([(REAP_DEBOUNCED, keys, (grace_ms, ran_ttl_ms, task_id))], "sweep")
+        (reply,) = self._run([(REAP_DEBOUNCED, keys, (ran_ttl_ms,))], "sweep")
         return _reaped(reply)
 
     def forget_queued_call(
@@ -217,12 +230,12 @@ class PendingIndex:
         keys = (self.index, queued_key(key), handoff_keys(key)[1])
         return FORGET_QUEUED, keys, (Member.queued(key, task_id), token, handoff)
 
-    def forget_debounced_call(self, key: str, task_id: str) -> ScriptCall | None:
-        """As :meth:`forget_queued_call`, for a debounced run whose burst ended."""
+    def forget_debounced_call(self, key: str) -> ScriptCall | None:
+        """As :meth:`forget_queued_call`, for a key whose debounced run started."""
         if not self.store.single_server:
             return None
         keys = (self.index, debounce_key(key))
-        return FORGET_DEBOUNCED, keys, (Member.debounced(key, task_id), task_id)
+        return FORGET_DEBOUNCED, keys, (Member.debounced(key),)
 
     def queue_run(
         self,
@@ -233,12 +246,14 @@ class PendingIndex:
         message: bytes,
         due_ms: int,
         task_id: str,
+        grace_ms: int,
     ) -> tuple[bool, str | None, float | None]:
         """Queue ``key``'s coalesced run at enqueue time, keeping its message (one round trip).
 
         Takes ``key``'s queued key with ``token`` (as an acquire would) and
         asks the sweep to publish ``message`` if the run has not started
-        ``due_ms`` from now. On the commands' connections (a producer).
+        ``due_ms`` from now (again ``grace_ms`` later, doubling, a few
+        times). On the commands' connections of ``store`` (a producer's).
 
         Returns:
             ``(queued, holder's token, holder's remaining TTL in s)``; the
@@ -250,7 +265,7 @@ class PendingIndex:
         call = (
             QUEUE_RUN,
             (queued_key(key), next_run_key(key)),
-            (token, ttl_ms, handoff, message, max(int(due_ms), 0), task_id),
+            (token, ttl_ms, handoff, message, max(int(due_ms), 0), task_id, max(grace_ms, 1)),
         )
         touch = self.touch_call(Member.queued(key, task_id), due_ms)
         try:
@@ -264,30 +279,25 @@ class PendingIndex:
         holder = decode_text(reply[1], self.store.encoding_for(key))
         return False, holder, pttl / 1000.0 if pttl >= 0 else None
 
-    def put_outbox(self, message_id: str, message: bytes, delay_ms: int) -> None:
+    def put_outbox(self, message_id: str, message: bytes, delay_ms: int, ttl_ms: int) -> None:
         """Keep ``message`` for a sweep to publish in ``delay_ms`` (the broker refused it).
 
         On the commands' connections: the caller is a task, not the sweep.
+        The outbox lives ``ttl_ms`` past its last message.
         """
+        args = (message_id, message, max(int(delay_ms), 0), max(int(ttl_ms), 1))
         try:
-            self.store.run_scripts(
-                [
-                    (
-                        OUTBOX_PUT,
-                        (self.index, self.outbox),
-                        (message_id, message, max(int(delay_ms), 0)),
-                    )
-                ]
-            )
+            self.store.run_scripts([(OUTBOX_PUT, (self.index, self.outbox), args)])
         except RedisError as exc:
             where = self.store.describe()
             raise backend_error(exc, "keep a message for", self.index, where) from exc
 
-    def outbox_message(self, message_id: str) -> bytes | None:
-        """The outbox's message ``message_id`` (``None`` once published)."""
-        (reply,) = self._run([(OUTBOX_GET, (self.outbox,), (message_id,))], "sweep")
-        return None if reply is None else _as_bytes(reply)
+    def take_outbox(self, message_id: str) -> bytes | None:
+        """Take message ``message_id`` out of the outbox, to publish it (``None``: gone).
 
-    def outbox_done(self, message_id: str) -> None:
-        """``message_id`` was published: forget it."""
-        self._run([(OUTBOX_DONE, (self.index, self.outbox), (message_id,))], "sweep")
+        Taken, not read: a sweep whose lease ran out, or that failed after
+        publishing, can never publish it a second time. One that fails to
+        publish puts it back (:meth:`put_outbox`).
+        """
+        (reply,) = self._run([(OUTBOX_TAKE, (self.index, self.outbox), (message_id,))], "sweep")
+        return None if reply is None else _as_bytes(reply)

@@ -16,9 +16,8 @@ __all__ = [
     "DUE",
     "FORGET_DEBOUNCED",
     "FORGET_QUEUED",
-    "OUTBOX_DONE",
-    "OUTBOX_GET",
     "OUTBOX_PUT",
+    "OUTBOX_TAKE",
     "QUEUE_RUN",
     "REAP_DEBOUNCED",
     "REAP_PARKED",
@@ -107,6 +106,7 @@ return 1
 # KEYS[n+3]    - its fence counter
 # ARGV[1]      - time to live in ms of a slot handed to a parked call
 # ARGV[2]      - how long the fence counter outlives the hold, in ms
+# ARGV[3]      - '1' when this is the retry of a try whose reply was lost
 # returns {0} when nothing is parked; {1, ms} when every slot is held (look
 #         again when the first frees); {2, slot, hand-off value, message}
 #         when a slot was handed over (the caller publishes the message).
@@ -142,6 +142,20 @@ if redis.call('HLEN', parked_hash) == 0 then
     return {0}
 end
 if not free then
+    if ARGV[3] == '1' then
+        -- A retry after a lost reply: the first try most likely handed a
+        -- slot over, and nobody published its message.
+        for i = 1, n do
+            local value = redis.call('GET', KEYS[i])
+            if value and string.sub(value, -2) == '|w' then
+                value = string.sub(value, 1, -3)
+            end
+            local message = value and redis.call('HGET', parked_hash, value)
+            if message then
+                return {2, i, value, message}
+            end
+        end
+    end
     return {1, soonest}
 end
 local handed
@@ -196,23 +210,38 @@ if redis.call('HSETNX', ran, handoff, '?') == 1 and redis.call('PTTL', ran) < ra
 end
 """
 
+# How long to wait before publishing copy ``copies + 1`` of a run: ``grace``,
+# doubled for every copy already published (a run stuck behind a long
+# backlog, not a dead worker, is copied a few times, not every grace), and
+# ``false`` after the fifth: the broker's own redelivery is left to it then.
+# Sets ``wait``.
+_BACKOFF = """
+local copies = tonumber(record_copies or '0')
+local wait = false
+if copies < 5 then
+    wait = grace * (2 ^ copies)
+end
+"""
+
 # A coalesced run published at enqueue time that has not started: its
 # worker may have died with the message reserved.
 #
 # KEYS[1] - the queued key (keys.queued_key)
-# KEYS[2] - its run's record (keys.next_run_key): id, token, handoff, due, msg
+# KEYS[2] - its run's record (keys.next_run_key): id, token, handoff, msg,
+#           due (when a copy is due) and grace, copies
 # KEYS[3] - the key's ran hash
 # KEYS[4] - the key's parked hash
-# ARGV[1] - ms to wait before looking again after publishing a copy
-# ARGV[2] - time to live in ms of the ran hash
-# ARGV[3] - the run's task id (the member's)
+# ARGV[1] - time to live in ms of the ran hash
+# ARGV[2] - the run's task id (the member's)
 # returns {0} when the run started or parked (a parked run is the sweep's
 #         through the key's parked member), or its record is another run's
-#         or gone; {1, ms} when not yet due; {2, message} to publish a copy
+#         or gone, or it has had its copies; {1, ms} when not yet due;
+#         {2, message} to publish a copy
 REAP_QUEUED_SCRIPT = (
     """
-local record = redis.call('HMGET', KEYS[2], 'token', 'due', 'handoff', 'msg', 'id')
-if not record[1] or record[5] ~= ARGV[3] or redis.call('GET', KEYS[1]) ~= record[1]
+local record = redis.call('HMGET', KEYS[2], 'token', 'due', 'handoff', 'msg', 'id', 'grace',
+    'copies')
+if not record[1] or record[5] ~= ARGV[2] or redis.call('GET', KEYS[1]) ~= record[1]
         or redis.call('HEXISTS', KEYS[4], record[3]) == 1 then
     return {0}
 end
@@ -223,8 +252,15 @@ local due = tonumber(record[2])
 if due > now then
     return {1, due - now}
 end
-redis.call('HSET', KEYS[2], 'due', string.format('%.0f', now + tonumber(ARGV[1])))
-local ran, handoff, ran_ttl = KEYS[3], record[3], tonumber(ARGV[2])
+local grace, record_copies = tonumber(record[6]), record[7]
+"""
+    + _BACKOFF
+    + """
+if not wait then
+    return {0}
+end
+redis.call('HSET', KEYS[2], 'due', string.format('%.0f', now + wait), 'copies', copies + 1)
+local ran, handoff, ran_ttl = KEYS[3], record[3], tonumber(ARGV[1])
 """
     + _MARK_COPIED
     + """
@@ -236,28 +272,37 @@ return {2, record[4]}
 # worker holding its countdown message may have died.
 #
 # KEYS[1] - the debounce record (keys.debounce_key): id, first, due, msg,
-#           handoff and, once a copy was published, next
+#           handoff, not_before (its countdown, if longer than the window),
+#           grace and, once a copy was published, next and copies
 # KEYS[2] - the key's ran hash
-# ARGV[1] - ms after its due time (or after the last copy) before publishing
-# ARGV[2] - time to live in ms of the ran hash
-# ARGV[3] - the run's task id (the member's)
-# returns {0} when the run started (the record is gone, another burst's, or
-#         was written without a message); {1, ms} when not yet; {2, message}
+# ARGV[1] - time to live in ms of the ran hash
+# returns {0} when the run started (the record is gone, or was written
+#         without a message), or it has had its copies; {1, ms} when not
+#         yet; {2, message}
 REAP_DEBOUNCED_SCRIPT = (
     """
-local record = redis.call('HMGET', KEYS[1], 'id', 'due', 'msg', 'handoff', 'next')
-if record[1] ~= ARGV[3] or not record[3] then
+local record = redis.call('HMGET', KEYS[1], 'id', 'due', 'msg', 'handoff', 'next',
+    'not_before', 'grace', 'copies')
+if not record[1] or not record[3] then
     return {0}
 end
 """
     + _NOW
     + """
-local at = math.max(tonumber(record[2]) + tonumber(ARGV[1]), tonumber(record[5] or '0'))
+local grace, record_copies = tonumber(record[7] or '0'), record[8]
+local due = math.max(tonumber(record[2]), tonumber(record[6] or '0'))
+local at = math.max(due + grace, tonumber(record[5] or '0'))
 if at > now then
     return {1, at - now}
 end
-redis.call('HSET', KEYS[1], 'next', string.format('%.0f', now + tonumber(ARGV[1])))
-local ran, handoff, ran_ttl = KEYS[2], record[4], tonumber(ARGV[2])
+"""
+    + _BACKOFF
+    + """
+if not wait then
+    return {0}
+end
+redis.call('HSET', KEYS[1], 'next', string.format('%.0f', now + wait), 'copies', copies + 1)
+local ran, handoff, ran_ttl = KEYS[2], record[4], tonumber(ARGV[1])
 """
     + _MARK_COPIED
     + """
@@ -267,25 +312,29 @@ return {2, record[3]}
 
 # KEYS[1] - the pending index; KEYS[2] - the outbox
 # ARGV[1] - id; ARGV[2] - message; ARGV[3] - in how many ms to publish it
+# ARGV[4] - time to live in ms of the outbox (refreshed)
 OUTBOX_PUT_SCRIPT = (
     _NOW
     + """
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+if redis.call('PTTL', KEYS[2]) < tonumber(ARGV[4]) then
+    redis.call('PEXPIRE', KEYS[2], ARGV[4])
+end
 redis.call('ZADD', KEYS[1], string.format('%.0f', now + tonumber(ARGV[3])), 'o|' .. ARGV[1])
 return 1
 """
 )
 
-# KEYS[1] - the outbox; ARGV[1] - id. Returns the message (nil if gone).
-OUTBOX_GET_SCRIPT = """
-return redis.call('HGET', KEYS[1], ARGV[1])
-"""
-
-# KEYS[1] - the pending index; KEYS[2] - the outbox; ARGV[1] - id (published)
-OUTBOX_DONE_SCRIPT = """
+# Takes a message out of the outbox to publish it (once: a sweep that
+# fails to publish it puts it back with OUTBOX_PUT).
+#
+# KEYS[1] - the pending index; KEYS[2] - the outbox; ARGV[1] - id
+# returns the message, or nil if it is gone (another sweep took it)
+OUTBOX_TAKE_SCRIPT = """
+local message = redis.call('HGET', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[1], 'o|' .. ARGV[1])
-return 1
+return message
 """
 
 # KEYS[1] - a key's debounce record (keys.debounce_key): a hash with the
@@ -297,6 +346,9 @@ return 1
 # ARGV[5] - the run's message, kept for a worker's sweep to publish again if
 #           the run has not started a while after it is due ('' for none)
 # ARGV[6] - the run's hand-off value (which copy of it ran)
+# ARGV[7] - the run's countdown in ms (its message is due then, at the
+#           earliest: a sweep copies it no sooner)
+# ARGV[8] - ms after it is due before a sweep publishes a copy
 # returns {1, ARGV[1], window} for a new burst (the caller publishes it with
 #         that countdown), {0, burst task id, ms until due} for a call that
 #         joins the burst in progress (it moves the due time, up to the cap)
@@ -314,7 +366,8 @@ local due = now_ms + tonumber(ARGV[2])
 redis.call('HSET', KEYS[1], 'id', ARGV[1], 'first', string.format('%.0f', now_ms),
     'due', string.format('%.0f', due))
 if (ARGV[5] or '') ~= '' then
-    redis.call('HSET', KEYS[1], 'msg', ARGV[5], 'handoff', ARGV[6])
+    redis.call('HSET', KEYS[1], 'msg', ARGV[5], 'handoff', ARGV[6], 'grace', ARGV[8],
+        'not_before', string.format('%.0f', now_ms + tonumber(ARGV[7])))
 end
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
 return {1, ARGV[1], tonumber(ARGV[2])}
@@ -352,8 +405,7 @@ DEBOUNCE = Script(DEBOUNCE_SCRIPT)
 DEBOUNCE_DUE = Script(DEBOUNCE_DUE_SCRIPT)
 REAP_DEBOUNCED = Script(REAP_DEBOUNCED_SCRIPT)
 OUTBOX_PUT = Script(OUTBOX_PUT_SCRIPT)
-OUTBOX_GET = Script(OUTBOX_GET_SCRIPT)
-OUTBOX_DONE = Script(OUTBOX_DONE_SCRIPT)
+OUTBOX_TAKE = Script(OUTBOX_TAKE_SCRIPT)
 
 
 # Queues a coalesced run at enqueue time (lock_enqueue="until_start"): takes
@@ -368,6 +420,7 @@ OUTBOX_DONE = Script(OUTBOX_DONE_SCRIPT)
 # ARGV[4] - the run's message (handoff.pack_signature)
 # ARGV[5] - in how many ms a sweep may publish a copy if it has not started
 # ARGV[6] - the run's task id
+# ARGV[7] - ms between the copies a sweep publishes while it has not started
 # returns {1} when queued (also when the key already holds ARGV[1]: a retry
 #         after a lost reply); {0, holder value, holder PTTL in ms} when
 #         another run is queued
@@ -383,7 +436,7 @@ end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 redis.call('DEL', KEYS[2])
 redis.call('HSET', KEYS[2], 'token', ARGV[1], 'handoff', ARGV[3], 'msg', ARGV[4],
-    'due', string.format('%.0f', now + tonumber(ARGV[5])), 'id', ARGV[6])
+    'due', string.format('%.0f', now + tonumber(ARGV[5])), 'id', ARGV[6], 'grace', ARGV[7])
 redis.call('PEXPIRE', KEYS[2], ARGV[2])
 return {1}
 """
@@ -407,13 +460,14 @@ end
 return 1
 """
 
-# Forgets a debounced run's member once its run started (its burst's record
-# is gone or another burst's). Outside a cluster only, as FORGET_QUEUED.
+# Forgets a key's debounce member once its run started (the burst's record
+# is gone; a new burst's record keeps it). Outside a cluster only, as
+# FORGET_QUEUED.
 #
 # KEYS[1] - the pending index; KEYS[2] - the key's debounce record
-# ARGV[1] - the run's member; ARGV[2] - its task id
+# ARGV[1] - the key's debounce member
 FORGET_DEBOUNCED_SCRIPT = """
-if redis.call('HGET', KEYS[2], 'id') ~= ARGV[2] then
+if redis.call('EXISTS', KEYS[2]) == 0 then
     redis.call('ZREM', KEYS[1], ARGV[1])
 end
 return 1

@@ -245,7 +245,7 @@ class Renewer:
             # threads (greenlets under gevent): not usable from this native
             # thread there. The TTL then frees the key, no longer renewed.
             if not _gevent_patched():
-                take_back_value(backend, key, value, now=False, ttl=ttl)
+                take_back_value(backend, key, value, now=False, ttl=ttl, landed=True)
         with self._mutex:
             handles = [*self._handles.values(), *self._scoped.values()]
             to_warm, self._to_warm = self._to_warm, []
@@ -257,7 +257,12 @@ class Renewer:
             # connection left open until the store is collected.
             cold = backend_ref()
             if cold is not None and self._holds_locks_of(cold):
-                cold.warm_up()
+                try:
+                    cold.warm_up()
+                except Exception:
+                    # Not reachable now: the renewal's own round trip will
+                    # connect, and report. (Not an error that stops the tick.)
+                    logger.debug("could not connect ahead of renewal", exc_info=True)
                 now = clock()
             del cold
         due = [h for h in handles if h.renew_at - h.renew_period / 2 <= now]

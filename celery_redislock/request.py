@@ -26,6 +26,7 @@ from celery.signals import task_revoked
 from celery.worker.request import Request
 
 from celery_redislock._clock import clock
+from celery_redislock.handoff import marker_ttl_ms
 from celery_redislock.headers import (
     DEBOUNCE_HEADER,
     HANDOFF_HEADER,
@@ -50,8 +51,10 @@ logger = logging.getLogger("celery_redislock.task")
 
 #: Longest wait for a SIGKILLed pool child to exit before its lock is released.
 _KILLED_EXIT_WAIT = 5.0
-#: The longest wait for a signalled child's own ``finally`` to release its
-#: lock before REVOKED is deferred (to its exit, or to the end of its task).
+#: Signals a billiard child turns into SystemExit (its ``finally`` releases the
+#: lock), and the longest wait for that release before REVOKED is deferred to
+#: the child's exit. SIGINT is ignored by children.
+_STOPPING_SIGNALS = (signals_module.SIGTERM, signals_module.SIGQUIT, signals_module.SIGHUP)
 _STOPPING_RELEASE_WAIT = 1.0
 #: billiard's grace between SIGTERM and SIGKILL at a hard time limit.
 _HARD_LIMIT_GRACE = 0.1
@@ -272,11 +275,14 @@ class _ReleaseAfterExit:
             released = _exited(pid, _KILLED_EXIT_WAIT)
             if released:
                 request._release_child_lock("terminated")
-        else:
-            # A signal the child turns into SystemExit, or one it may survive
-            # (SIGUSR1 raises SoftTimeLimitExceeded in the body, which may go
-            # on holding the lock): REVOKED only once its lock is released.
+        elif signum in _STOPPING_SIGNALS:
             released = request._wait_for_child_release(_STOPPING_RELEASE_WAIT)
+        else:
+            # One the child may survive (SIGUSR1 raises SoftTimeLimitExceeded
+            # in the body, which may go on holding the lock): no wait, which
+            # would block this process's loop for every such revoke; one
+            # look at the lock, and REVOKED only if it is free already.
+            released = request._wait_for_child_release(0.0)
         # Not yet: REVOKED is announced when billiard reports the child's exit
         # (Terminated); a child that survived the signal ends its task
         # instead, releasing first, and its own outcome is stored.
@@ -350,16 +356,18 @@ def _forget_revoked_burst(task: SingletonTaskMixin, request: Any) -> None:
 
 
 def _release_revoked_handoff(task: SingletonTaskMixin, request: Any, handoff: str) -> None:
-    """A parked call revoked or expired before it ran gives up a lock handed to it.
+    """A parked call revoked or expired before it ran leaves the queue for good.
 
-    Otherwise its hand-off value would hold the key (or slot) until the
-    hand-off TTL; released, the key passes to the next parked call.
+    Withdrawn: no copy of it runs later, a sweep never hands it a slot again
+    (its message would otherwise stay, and be published every hand-off
+    TTL), and a lock already handed to it passes to the next parked call.
     """
     try:
         settings = task._lock_settings()
         if settings.enabled:
             key = task._key(settings, request.args or (), request.kwargs or {})
-            settings.backend.release_slot_of(key, settings.limit, handoff)
+            park_ttl_ms = marker_ttl_ms(task.app.conf, settings.enqueue_ttl, settings.ttl)
+            settings.backend.withdraw(key, handoff, park_ttl_ms, settings.limit)
     except Exception:
         logger.exception("could not free the lock handed to revoked %s[%s]", task.name, request.id)
 

@@ -39,6 +39,8 @@ __all__ = [
     "SETTLE_FENCE",
     "WAIT_TRY",
     "WAIT_TRY_SCRIPT",
+    "WATCH",
+    "WATCH_SCRIPT",
 ]
 
 # Settles a key's fence counter once a release changed the key (any script
@@ -349,9 +351,30 @@ redis.call('SET', KEYS[2], fence, 'PX', counter_ttl)
 return {1, fence}
 """
 
+# Whether a holder of an owner still holds the key (a worker's parent
+# waiting for a signalled child's own release); if so, its value is marked
+# waited for, so that the release publishes and wakes the parent at once.
+#
+# KEYS[1..n] - the key's slots (n = 1: the key itself)
+# ARGV[1]    - the owner prefix ("v1|<task id>|<attempt>|<node>|<pid>|")
+# returns 1 while a slot holds a value of that owner, else 0
+WATCH_SCRIPT = """
+for i = 1, #KEYS do
+    local value = redis.call('GET', KEYS[i])
+    if value and string.sub(value, 1, #ARGV[1]) == ARGV[1] then
+        if string.sub(value, -2) ~= '|w' then
+            redis.call('APPEND', KEYS[i], '|w')
+        end
+        return 1
+    end
+end
+return 0
+"""
+
 FENCE = Script(FENCE_SCRIPT)
 RELEASE = Script(RELEASE_SCRIPT)
 RELEASE_FULL = Script(RELEASE_FULL_SCRIPT)
 RENEW = Script(RENEW_SCRIPT)
 ACQUIRE = Script(ACQUIRE_SCRIPT)
 WAIT_TRY = Script(WAIT_TRY_SCRIPT)
+WATCH = Script(WATCH_SCRIPT)

@@ -770,22 +770,25 @@ class LockStore:
         handoff: str = "",
         touch: ScriptCall | None = None,
         grace_ms: int = 0,
+        delay_ms: int = 0,
     ) -> tuple[bool, str, float]:
         """Record a call in ``key``'s debounce burst (one round trip).
 
         A new burst keeps ``message`` (its run, with hand-off value
-        ``handoff``) for the workers' sweep, which publishes it again if the
-        run has not started ``grace_ms`` after it was due; ``touch``
-        (``PendingIndex.touch_call``) is sent first in the same round trip.
+        ``handoff``, published with a countdown of ``delay_ms`` if that is
+        longer than the window) for the workers' sweep, which publishes it
+        again if the run has not started ``grace_ms`` after it was due;
+        ``touch`` (``PendingIndex.touch_call``) is sent first in the same
+        round trip.
 
         Returns:
             ``(new burst, burst task id, seconds until the run is due)``.
         """
-        ttl_ms = max_wait_ms + window_ms + grace_ms + 60_000
+        ttl_ms = max(max_wait_ms + window_ms, delay_ms) + grace_ms + 60_000
         call = (
             pending_scripts.DEBOUNCE,
             (debounce_key(key),),
-            (task_id, window_ms, max_wait_ms, ttl_ms, message, handoff),
+            (task_id, window_ms, max_wait_ms, ttl_ms, message, handoff, delay_ms, grace_ms),
         )
         with self._errors("debounce", key):
             if touch is not None:
@@ -893,27 +896,20 @@ class LockStore:
         """Wait up to ``timeout`` seconds until ``key`` no longer holds a value of this owner.
 
         Woken by the release notification (a subscription of its own), not
-        by polling. Returns True once released (or taken by someone else).
-        With ``limit`` > 1, until none of the key's slots holds one.
+        by polling: the value is marked waited for (``WATCH_SCRIPT``), so its
+        release publishes. Returns True once released (or taken by someone
+        else). With ``limit`` > 1, until none of the key's slots holds one.
 
         Raises:
             LockBackendError: Redis is unreachable.
         """
         deadline = clock() + timeout
         endpoint = self._topology(_Kind.COMMANDS).endpoint_for(key)
-        prefix = owner_prefix.encode(endpoint.encoding)
-        keys = slot_keys(key, limit)
+        watch = (scripts.WATCH, slot_keys(key, limit), (owner_prefix,))
         with self._errors("wait for", key), Subscription(endpoint, release_channel(key)) as sub:
             while True:
-                # GETs, not MGET: the documented ACL allows GET only.
-                if limit > 1:
-                    values = endpoint.pipeline([("GET", slot) for slot in keys])
-                    for error in values:
-                        if isinstance(error, ResponseError):
-                            raise error
-                else:
-                    values = [endpoint.call("GET", key)]
-                if not any(value is not None and value.startswith(prefix) for value in values):
+                # Marks the value waited for: its release then publishes.
+                if not int(endpoint.run(_script_runner(watch)(endpoint))):
                     return True
                 remaining = deadline - clock()
                 if remaining <= 0:
@@ -1382,6 +1378,29 @@ class LockStore:
             endpoint = topology.endpoint
             return endpoint.run(scripts_exchange(calls, endpoint.encoding))
         return [topology.run_for_key(call[1][0], _script_runner(call)) for call in calls]
+
+    def run_script_or_retry(self, first: ScriptCall, again: ScriptCall, short: bool = False) -> Any:
+        """Run ``first``; if its reply is lost and the exchange is retried, run ``again``.
+
+        For a script whose retry must know it may have run already (a
+        hand-over whose reply was lost). ``short`` as :meth:`run_scripts`.
+
+        Raises:
+            RedisError: the store is unreachable or the script failed.
+        """
+        attempts = 0
+
+        def make(endpoint: Endpoint) -> Callable[[Any], Any]:
+            def run(connection: Any) -> Any:
+                nonlocal attempts
+                attempts += 1
+                script, keys, args = first if attempts == 1 else again
+                return script.exchange(keys, args, endpoint.encoding)(connection)
+
+            return run
+
+        kind = _Kind.RELEASES if short else _Kind.COMMANDS
+        return self._topology(kind).run_for_key(first[1][0], make)
 
     @property
     def single_server(self) -> bool:

@@ -136,6 +136,7 @@ def take_back_value(
     now: bool = True,
     limit: int = 1,
     ttl: float = 0.0,
+    landed: bool = False,
 ) -> None:
     """Take back ``value`` from ``key`` (compare-and-delete), now and until it cannot be there.
 
@@ -147,8 +148,12 @@ def take_back_value(
             store has just failed: the caller should not wait on it again.
         limit: The key's ``lock_limit``: with more than one slot, the value
             is taken back from whichever slot it landed in.
-        ttl: The value's time to live, in seconds: tried for about a minute
-            in any case, and for as long as this if longer.
+        ttl: The value's time to live, in seconds: tried for about a
+            minute, then on until that has passed.
+        landed: The value is known to be in the store (a held lock whose
+            release never ran): a key found gone settles it, as the value
+            expired. False (an acquire whose reply never came): a key found
+            gone may still get the value, so it is tried again.
     """
 
     def attempt() -> bool:
@@ -160,8 +165,7 @@ def take_back_value(
         except LockBackendError as exc:
             logger.debug("taking back lock %s: %s; trying again later", key, exc)
             return False
-        # ALREADY_GONE: the late acquire may not have landed yet.
-        return outcome in (ReleaseOutcome.RELEASED, ReleaseOutcome.NOT_OURS)
+        return landed or outcome is not ReleaseOutcome.ALREADY_GONE
 
     until = clock() + ttl
     if now:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import pytest
@@ -32,7 +33,7 @@ def store(lock_client: redis.Redis) -> LockStore:
 
 @pytest.fixture
 def index(store: LockStore) -> PendingIndex:
-    return PendingIndex(store, "redislock")
+    return PendingIndex(store, "redislock", "proj")
 
 
 def park(store: LockStore, index: PendingIndex, value: str, handoff: str, msg: bytes) -> bool:
@@ -97,20 +98,28 @@ def test_a_member_touched_while_claimed_is_not_removed(index: PendingIndex) -> N
     assert index.due(10, 5000)[1] == [member]
 
 
-def test_a_coalesced_run_not_started_in_time_is_published_again_once_per_grace(
+def test_a_coalesced_run_not_started_in_time_is_copied_after_a_grace_then_less_often(
     store: LockStore, index: PendingIndex, lock_client: redis.Redis
 ) -> None:
-    queued, _ = index.queue_run(KEY, "token-1", PARK_TTL, "handoff-1", b"run-1", 300, "id-1")[:2]
-    assert queued
-    assert index.reap_queued(KEY, "id-1", 1000, PARK_TTL).outcome is Reaping.LATER
-    time.sleep(0.35)  # the run's grace (300 ms) passes: its worker never started it
-    copy = index.reap_queued(KEY, "id-1", 1000, PARK_TTL)
-    assert (copy.outcome, copy.message) == (Reaping.PUBLISH, b"run-1")
+    queued = index.queue_run(
+        KEY, "token-1", PARK_TTL, "handoff-1", b"run-1", 300, "id-1", grace_ms=200
+    )
+    assert queued[0]
+    assert index.reap_queued(KEY, "id-1", PARK_TTL).outcome is Reaping.LATER
+    copies: list[float] = []
+    started = time.monotonic()
+    while len(copies) < 3:  # due at 0.3 s, then 0.2 s later, then 0.4 s later
+        if index.reap_queued(KEY, "id-1", PARK_TTL).outcome is Reaping.PUBLISH:
+            copies.append(time.monotonic() - started)
+        assert time.monotonic() - started < 10
+        time.sleep(0.01)
     assert lock_client.hget(handoff_keys(KEY)[2], "handoff-1") == b"?"  # copies exist
-    # Another sweep, right after: not again before the next grace.
-    assert index.reap_queued(KEY, "id-1", 1000, PARK_TTL).outcome is Reaping.LATER
+    gaps = [b - a for a, b in itertools.pairwise(copies)]
+    assert 0.15 < gaps[0] < gaps[1]  # a backlog is copied less and less often
     # A duplicate call joins the queued run.
-    assert not index.queue_run(KEY, "token-2", PARK_TTL, "handoff-2", b"run-2", 300, "id-2")[0]
+    assert not index.queue_run(
+        KEY, "token-2", PARK_TTL, "handoff-2", b"run-2", 300, "id-2", grace_ms=200
+    )[0]
     # The copy is granted: the queued key and its record go; the original is dropped.
     slot = (queued_key(KEY), "token-1")
     granted = store.park(KEY, "v", TTL, "handoff-1", "r:1", b"", PARK_TTL, slot)
@@ -118,13 +127,24 @@ def test_a_coalesced_run_not_started_in_time_is_published_again_once_per_grace(
     assert not lock_client.exists(queued_key(KEY), next_run_key(KEY))
     store.release(KEY, "v")
     assert store.park(KEY, "v2", TTL, "handoff-1", "o", b"", PARK_TTL, slot).already_ran
-    assert index.reap_queued(KEY, "id-1", 1000, PARK_TTL).outcome is Reaping.DONE
+    assert index.reap_queued(KEY, "id-1", PARK_TTL).outcome is Reaping.DONE
+
+
+def test_a_run_stuck_in_a_backlog_is_copied_five_times_at_most(index: PendingIndex) -> None:
+    index.queue_run(KEY, "token-1", PARK_TTL, "handoff-1", b"run-1", 0, "id-1", grace_ms=1)
+    copies = 0
+    deadline = time.monotonic() + 10
+    while index.reap_queued(KEY, "id-1", PARK_TTL).outcome is not Reaping.DONE:
+        copies += 1
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert copies == 5
 
 
 def test_the_member_of_a_run_that_started_or_parked_is_forgotten_in_the_same_round_trip(
     store: LockStore, index: PendingIndex, lock_client: redis.Redis
 ) -> None:
-    index.queue_run(KEY, "token-1", PARK_TTL, "handoff-1", b"run-1", 60_000, "id-1")
+    index.queue_run(KEY, "token-1", PARK_TTL, "handoff-1", b"run-1", 60_000, "id-1", 1000)
     assert lock_client.zcard(index.index) == 1
     slot = (queued_key(KEY), "token-1")
     forget = index.forget_queued_call(KEY, "id-1", "token-1", "handoff-1")
@@ -135,37 +155,76 @@ def test_the_member_of_a_run_that_started_or_parked_is_forgotten_in_the_same_rou
     # It parks: the key's parked member covers it now.
     store.park(KEY, "v", TTL, "handoff-1", "o", b"m", PARK_TTL, slot, after=forget)
     assert lock_client.zrange(index.index, 0, -1) == []
-    assert index.reap_queued(KEY, "id-1", 1000, PARK_TTL).outcome is Reaping.DONE
+    assert index.reap_queued(KEY, "id-1", PARK_TTL).outcome is Reaping.DONE
 
 
 def test_a_debounced_run_not_started_in_time_is_published_again(
     store: LockStore, index: PendingIndex, lock_client: redis.Redis
 ) -> None:
-    touch = index.touch_call(Member.debounced(KEY, "burst-1"), 150)
+    touch = index.touch_call(Member.debounced(KEY), 150)
     new, burst, due = store.debounce(KEY, "burst-1", 100, 1000, b"run", "handoff-d", touch, 50)
     assert new and burst == "burst-1" and due == pytest.approx(0.1)
-    assert index.reap_debounced(KEY, "burst-1", 50, PARK_TTL).outcome is Reaping.LATER
-    wait_until(
-        lambda: index.reap_debounced(KEY, "burst-1", 50, PARK_TTL).outcome is Reaping.PUBLISH,
-        timeout=5,
-    )
+    # Every later call of the burst touches the same member: one per key.
+    later = store.debounce(KEY, "burst-2", 100, 1000, b"run-2", "handoff-2", touch, 50)
+    assert not later[0] and lock_client.zcard(index.index) == 1
+    assert index.reap_debounced(KEY, PARK_TTL).outcome is Reaping.LATER
+    wait_until(lambda: index.reap_debounced(KEY, PARK_TTL).outcome is Reaping.PUBLISH, timeout=5)
     assert lock_client.hget(handoff_keys(KEY)[2], "handoff-d") == b"?"
     # Its run starts: the record goes, and with it (same round trip) the member.
-    forget = index.forget_debounced_call(KEY, "burst-1")
+    forget = index.forget_debounced_call(KEY)
     assert store.debounce_due(KEY, "burst-1", after=forget) == 0
     assert not lock_client.exists(debounce_key(KEY))
     assert lock_client.zcard(index.index) == 0
-    assert index.reap_debounced(KEY, "burst-1", 50, PARK_TTL).outcome is Reaping.DONE
+    assert index.reap_debounced(KEY, PARK_TTL).outcome is Reaping.DONE
 
 
-def test_the_outbox_keeps_a_refused_message_until_it_is_published(index: PendingIndex) -> None:
-    index.put_outbox("id-1", b"message", 0)
+def test_a_debounced_run_with_a_longer_countdown_is_not_copied_before_it(
+    store: LockStore, index: PendingIndex
+) -> None:
+    """``delay(countdown=...)`` longer than the window: the run is due then, not sooner."""
+    store.debounce(KEY, "burst-1", 100, 1000, b"run", "handoff-d", None, 50, 1500)
+    time.sleep(0.3)  # past the window and its grace: the countdown is not
+    assert index.reap_debounced(KEY, PARK_TTL).outcome is Reaping.LATER
+
+
+def test_apps_sharing_a_store_and_a_prefix_keep_their_pending_calls_apart(
+    store: LockStore,
+) -> None:
+    """A sweep publishes through its own app's broker: it never sees another app's calls."""
+    mine, theirs = PendingIndex(store, "redislock", "a"), PendingIndex(store, "redislock", "b")
+    theirs.put_outbox("id-1", b"message", 0, 60_000)
+    assert mine.due(10, 1000)[1] == []
+    assert theirs.due(10, 1000)[1] == [Member.OUTBOX + "|id-1"]
+
+
+def test_the_outbox_gives_a_refused_message_to_one_sweep_once(index: PendingIndex) -> None:
+    index.put_outbox("id-1", b"message", 0, 60_000)
     _, due = index.due(10, 1000)
     assert due == [Member.OUTBOX + "|id-1"]
-    assert index.outbox_message("id-1") == b"message"
-    index.outbox_done("id-1")
-    assert index.outbox_message("id-1") is None
+    assert index.take_outbox("id-1") == b"message"
+    assert index.take_outbox("id-1") is None  # another sweep, or the lease ran out: gone
     assert index.due(10, 1000)[1] == []
+
+
+def test_a_sweep_retried_after_its_reply_was_lost_publishes_the_hand_over(
+    server: RedisServer, lock_client: redis.Redis
+) -> None:
+    """REAP_PARKED handed the key over; the reply never came; the retry says so."""
+    proxy = FaultProxy(server.port)
+    store = LockStore(url=f"{proxy.url}/{LOCK_DB}")
+    index = PendingIndex(store, "redislock", "proj")
+    try:
+        assert store.acquire(KEY, "holder", TTL).acquired
+        assert store.park(KEY, "a", TTL, "handoff-a", "o", b"message-a", PARK_TTL).parked
+        lock_client.delete(KEY)  # the holder died
+        index.due(10, 1000)  # the sweep's connection is up
+        proxy.lose_replies = 1
+        reaped = index.reap_parked(KEY, 1, HANDOFF_TTL, 0)
+        assert (reaped.outcome, reaped.handoff) == (Reaping.PUBLISH, "handoff-a")
+        assert held(lock_client, KEY) == b"handoff-a"
+    finally:
+        store.close()
+        proxy.close()
 
 
 def test_a_release_retried_after_its_reply_was_lost_publishes_the_hand_over(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Any
 
 import pytest
@@ -265,6 +266,41 @@ def test_take_backs_share_one_thread(backend: LockStore) -> None:
     backend.acquire("late", "late-value", 30000)  # an acquire that "lands late"
     takeback.take_back_value(backend, "late", "late-value")
     assert backend.acquire("late", "someone", 1000).acquired
+
+
+def test_an_unanswered_acquire_is_taken_back_when_it_lands_after_the_first_attempt(
+    backend: LockStore, lock_client: redis.Redis
+) -> None:
+    """The first attempt finds the key empty: the acquire may not have run yet.
+
+    Whatever the value's TTL, a key found empty does not settle the take-back
+    of an acquire whose reply never came (the signal storm once left a key
+    for its whole TTL this way).
+    """
+    from celery_redislock import takeback
+
+    takeback.take_back_value(backend, "lands-late", "late-value", ttl=30.0)
+    assert lock_client.get("lands-late") is None
+    lock_client.set("lands-late", "late-value", px=30_000)  # the acquire lands now
+    wait_until(lambda: lock_client.get("lands-late") is None, timeout=5)
+
+
+def test_a_held_value_found_gone_settles_its_take_back(
+    backend: LockStore, lock_client: redis.Redis
+) -> None:
+    """A lock known to be held (its release never ran) that expired is not retried for its TTL."""
+    from celery_redislock import takeback
+
+    def queued_for(key: str) -> int:
+        heap = list(takeback._WORKER._heap)
+        cells = [c.cell_contents for *_, attempt in heap for c in attempt.__closure__ or ()]
+        return cells.count(key)
+
+    takeback.take_back_value(backend, "expired-already", "held-value", ttl=600.0, landed=True)
+    assert queued_for("expired-already") == 0
+    lost = f"reply-lost-{uuid.uuid4()}"
+    takeback.take_back_value(backend, lost, "lost-reply", ttl=600.0)
+    assert queued_for(lost) == 1
 
 
 class CountingStore(LockStore):

@@ -710,7 +710,7 @@ def test_a_copy_of_a_parked_call_is_not_granted_a_slot_while_its_own_task_holds_
     store = LockStore(client=lock_client)
     store.handoff_ttl_ms = 5000
     store.on_handoff = lambda *_: None
-    index = PendingIndex(store, "redislock")
+    index = PendingIndex(store, "redislock", "proj")
     key = "redislock:job:{k}"
     slot_1, slot_2 = slot_keys(key, 2)
 

@@ -2,7 +2,8 @@
 
 REDISLOCK_TEST_URL is the base redis:// URL of the test's server (broker and
 results); REDISLOCK_TEST_LOCK_URL the lock store; REDISLOCK_TEST_CONF a JSON
-object of extra settings (the bad ones under test).
+object of extra settings (the bad ones under test); the broker as
+``tests/brokers.py`` says (REDISLOCK_TEST_BROKER, REDISLOCK_TEST_VHOST).
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ import os
 from celery import Celery
 
 from celery_redislock import SingletonTask
+from tests.brokers import subprocess_broker_conf
 
 BASE_URL = os.environ.get("REDISLOCK_TEST_URL", "redis://127.0.0.1:1")
 
 app = Celery("redislock_startup")
 app.conf.update(
-    broker_url=f"{BASE_URL}/0",
+    **subprocess_broker_conf(f"{BASE_URL}/0"),
     result_backend=f"{BASE_URL}/1",
     redislock_url=os.environ.get("REDISLOCK_TEST_LOCK_URL", f"{BASE_URL}/2"),
     task_default_queue="tests",

@@ -13,15 +13,16 @@ from celery import Celery, chain, group
 
 from celery_redislock import AlreadyQueued, Retry, SingletonTask, Wait, is_skipped
 from celery_redislock.task import QUEUED_TOKEN_HEADER
-from tests.conftest import BROKER_DB, LOCK_DB, embedded_worker
+from tests.brokers import queue_length
+from tests.conftest import LOCK_DB, embedded_worker
 from tests.helpers import decoded, hold_lock
 from tests.servers import FaultProxy, RedisServer, wait_until
 
 pytestmark = pytest.mark.worker
 
 
-def queued(server: RedisServer) -> int:
-    return int(server.client(BROKER_DB).llen("tests"))
+def queued(app: Celery) -> int:
+    return queue_length(app)
 
 
 def test_three_concurrent_delays_publish_once_and_share_one_id(
@@ -41,7 +42,7 @@ def test_three_concurrent_delays_publish_once_and_share_one_id(
     with ThreadPoolExecutor(3) as pool:
         handles = list(pool.map(deliver, range(3)))
     assert len({h.id for h in handles}) == 1
-    assert queued(server) == 1
+    assert queued(app) == 1
     key = process_payment.lock_key_for(("wh-1",), {})
     value = decoded(lock_client.get(key))
     assert value is not None and value.owner.task_id == handles[0].id

@@ -15,7 +15,8 @@ from celery import Celery, group
 from celery_redislock import HandOff, LockContended, SingletonTask
 from celery_redislock.keys import debounce_key, handoff_keys, queued_key
 from celery_redislock.store import LockStore
-from tests.conftest import BROKER_DB, embedded_worker
+from tests.brokers import queue_settled
+from tests.conftest import embedded_worker
 from tests.servers import wait_until
 
 pytestmark = pytest.mark.worker
@@ -413,17 +414,13 @@ def test_a_redelivered_call_that_died_after_parking_runs_once(
     key = job.lock_key_for(("x",), {})
     holder = "v1|holder|0|elsewhere|1|ab|job|0"
     lock_client.set(key, holder, px=30000)
-    broker = server.client(BROKER_DB)
     with embedded_worker(app, "prefork", 2):
         result = job.delay("one-call")
         wait_until(lambda: flag.exists("died-once"), timeout=30)
         job._lock_settings().backend.release(key, holder)
         assert result.get(timeout=30) == "one-call"
 
-        def all_acked() -> bool:
-            return not broker.llen("tests") and not broker.hlen("unacked")
-
-        wait_until(all_acked, timeout=30)
+        wait_until(lambda: queue_settled(app), timeout=30, interval=0.2)
     assert record.lrange("runs", 0, -1) == ["one-call"]
 
 

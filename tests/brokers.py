@@ -1,0 +1,195 @@
+"""Which broker the delivery-dependent tests run on: read here, and only here.
+
+``REDISLOCK_TEST_BROKER`` selects it:
+
+* ``redis`` (the default): the test's own redis-server, database 0.
+* ``rabbitmq``: RabbitMQ at ``REDISLOCK_TEST_RABBITMQ`` (default
+  ``amqp://guest:guest@127.0.0.1:5672``), classic queues, Celery's defaults
+  otherwise (as a new user would run it).
+* ``rabbitmq-quorum``: the same RabbitMQ with quorum queues, configured as
+  Celery >= 5.5 documents them (see :data:`QUORUM_CONF`).
+
+The result backend and the lock store stay on the test's own redis-server.
+On RabbitMQ every test gets a virtual host of its own, created with
+``rabbitmqctl`` on first use (permissions for guest) and deleted when the
+test ends (``tests/conftest.py``): nothing is ever declared on ``/``, and
+parallel pytest-xdist processes never share a queue. A ``celery worker``
+subprocess learns its test's vhost from ``REDISLOCK_TEST_VHOST``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import uuid
+from typing import Any
+from urllib.parse import quote, unquote
+
+import pytest
+
+BROKERS = ("redis", "rabbitmq", "rabbitmq-quorum")
+
+BROKER = os.environ.get("REDISLOCK_TEST_BROKER", "redis") or "redis"
+if BROKER not in BROKERS:
+    raise RuntimeError(f"REDISLOCK_TEST_BROKER={BROKER!r}: expected one of {', '.join(BROKERS)}")
+
+#: Messages travel through RabbitMQ (classic or quorum queues).
+RABBITMQ = BROKER != "redis"
+#: Task queues are quorum queues (countdowns use native delayed delivery).
+QUORUM = BROKER == "rabbitmq-quorum"
+
+RABBITMQ_URL = os.environ.get("REDISLOCK_TEST_RABBITMQ", "amqp://guest:guest@127.0.0.1:5672")
+RABBITMQ_USER = os.environ.get("REDISLOCK_TEST_RABBITMQ_USER", "guest")
+
+#: The variable that tells a ``celery worker`` subprocess its test's vhost.
+VHOST_ENV = "REDISLOCK_TEST_VHOST"
+#: Every vhost the tests create starts with this (a leftover is easy to find).
+VHOST_PREFIX = "redislock-test-"
+
+#: What Celery documents for quorum queues (Celery >= 5.5), as a user sets it:
+#: the task queues are declared as quorum queues; a topic exchange, because
+#: native delayed delivery (which countdown and ETA messages need once
+#: global QoS is off) does not route through direct exchanges; publisher
+#: confirms, so that a publish RabbitMQ refuses raises (the delay queues
+#: reject-publish on overflow) instead of vanishing. Celery detects the
+#: quorum queue (``worker_detect_quorum_queues``, on by default) and turns
+#: global QoS off by itself.
+QUORUM_CONF: dict[str, Any] = {
+    "task_default_queue_type": "quorum",
+    "task_default_exchange_type": "topic",
+    "broker_transport_options": {"confirm_publish": True},
+}
+
+
+def rabbitmqctl(*args: str) -> str:
+    """Run ``rabbitmqctl`` (about 0.4 s of CPU a call); return its output, raise on failure."""
+    binary = shutil.which("rabbitmqctl")
+    if binary is None:
+        raise RuntimeError(
+            f"REDISLOCK_TEST_BROKER={BROKER}: rabbitmqctl is not on PATH "
+            "(the broker tests create a vhost per test with it)"
+        )
+    done = subprocess.run(
+        [binary, "-q", *args], capture_output=True, text=True, timeout=60, check=False
+    )
+    if done.returncode:
+        raise RuntimeError(f"rabbitmqctl {' '.join(args)} failed: {done.stderr or done.stdout}")
+    return done.stdout
+
+
+def create_vhost() -> str:
+    """Create a vhost of our own, usable by the test user; return its name."""
+    name = f"{VHOST_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:10]}"
+    rabbitmqctl("add_vhost", name)
+    try:
+        rabbitmqctl("set_permissions", "-p", name, RABBITMQ_USER, ".*", ".*", ".*")
+    except BaseException:
+        delete_vhost(name)
+        raise
+    return name
+
+
+def delete_vhost(name: str) -> None:
+    """Delete a vhost the tests created (with every queue and exchange in it)."""
+    if not name.startswith(VHOST_PREFIX):  # never "/", never another's
+        raise ValueError(f"refusing to delete vhost {name!r}: not one of the tests'")
+    rabbitmqctl("delete_vhost", name)
+
+
+class _TestVhost:
+    """The running test's vhost: created on first use, deleted by :func:`end_test`."""
+
+    name: str | None = None
+
+
+_current = _TestVhost()
+
+
+def current_vhost() -> str:
+    """The running test's vhost, created now if this is its first use."""
+    if _current.name is None:
+        _current.name = create_vhost()
+    return _current.name
+
+
+def end_test() -> None:
+    """Delete the vhost the test that just ended used, if it made one."""
+    name, _current.name = _current.name, None
+    if name is not None:
+        delete_vhost(name)
+
+
+def broker_conf(redis_broker_url: str, vhost: str | None = None) -> dict[str, Any]:
+    """The broker settings of a test app.
+
+    Args:
+        redis_broker_url: The broker URL on the Redis broker (the test's
+            own redis-server).
+        vhost: The RabbitMQ vhost; default: the running test's.
+    """
+    if not RABBITMQ:
+        return {"broker_url": redis_broker_url}
+    conf: dict[str, Any] = {"broker_url": f"{RABBITMQ_URL}/{quote(vhost or current_vhost(), '')}"}
+    if QUORUM:
+        conf.update(QUORUM_CONF)
+    return conf
+
+
+def subprocess_broker_conf(redis_broker_url: str) -> dict[str, Any]:
+    """:func:`broker_conf` in a ``celery worker`` subprocess (vhost from the environment).
+
+    The test process imports the subprocess apps too, without a vhost: it
+    gets a name that does not exist, so nothing it does reaches a broker.
+    """
+    if not RABBITMQ:
+        return broker_conf(redis_broker_url)
+    return broker_conf(redis_broker_url, os.environ.get(VHOST_ENV) or f"{VHOST_PREFIX}none")
+
+
+def worker_env() -> dict[str, str]:
+    """What a ``celery worker`` subprocess needs to reach the running test's broker."""
+    if not RABBITMQ:
+        return {}
+    return {"REDISLOCK_TEST_BROKER": BROKER, VHOST_ENV: current_vhost()}
+
+
+def queue_length(app: Any, queue: str = "tests") -> int:
+    """Messages waiting in ``queue`` (not those a worker holds unacknowledged).
+
+    0 if the queue was never declared.
+    """
+    if not RABBITMQ:
+        with app.connection_for_write() as connection:
+            return int(connection.default_channel.client.llen(queue))
+    from amqp.exceptions import NotFound
+
+    with app.connection_for_write() as connection:
+        channel = connection.channel()
+        try:
+            return int(channel.queue_declare(queue, passive=True).message_count)
+        except NotFound:
+            return 0
+        finally:
+            with contextlib.suppress(Exception):
+                channel.close()
+
+
+def queue_settled(app: Any, queue: str = "tests") -> bool:
+    """True once ``queue`` holds no message, waiting or delivered and not yet acknowledged."""
+    if not RABBITMQ:
+        with app.connection_for_write() as connection:
+            client = connection.default_channel.client
+            return not client.llen(queue) and not client.hlen("unacked")
+    vhost = app.conf.broker_url.rsplit("/", 1)[1]
+    rows = rabbitmqctl(
+        "list_queues", "-p", unquote(vhost), "--no-table-headers", "name", "messages"
+    )
+    counts = dict(row.split("\t") for row in rows.splitlines() if row.strip())
+    return int(counts.get(queue, 0)) == 0
+
+
+def redis_broker_only(why: str) -> pytest.MarkDecorator:
+    """Skip on the other brokers: the test is about the Redis broker itself."""
+    return pytest.mark.skipif(RABBITMQ, reason=f"Redis broker only: {why}")

@@ -19,10 +19,10 @@ subprocess learns its test's vhost from ``REDISLOCK_TEST_VHOST``.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import subprocess
+import types
 import uuid
 from typing import Any
 from urllib.parse import quote, unquote
@@ -49,16 +49,19 @@ VHOST_ENV = "REDISLOCK_TEST_VHOST"
 VHOST_PREFIX = "redislock-test-"
 
 #: What Celery documents for quorum queues (Celery >= 5.5), as a user sets it:
-#: the task queues are declared as quorum queues; a topic exchange, because
-#: native delayed delivery (which countdown and ETA messages need once
-#: global QoS is off) does not route through direct exchanges; publisher
-#: confirms, so that a publish RabbitMQ refuses raises (the delay queues
-#: reject-publish on overflow) instead of vanishing. Celery detects the
-#: quorum queue (``worker_detect_quorum_queues``, on by default) and turns
-#: global QoS off by itself.
+#: the task queues are declared as quorum queues, also those created on
+#: first use (a route to another queue); topic exchanges, because native
+#: delayed delivery (which countdown and ETA messages need once global QoS
+#: is off) does not route through direct exchanges; publisher confirms, so
+#: that a publish RabbitMQ refuses raises (the delay queues reject-publish
+#: on overflow) instead of vanishing. Celery detects the quorum queues
+#: (``worker_detect_quorum_queues``, on by default) and turns global QoS off
+#: by itself.
 QUORUM_CONF: dict[str, Any] = {
     "task_default_queue_type": "quorum",
     "task_default_exchange_type": "topic",
+    "task_create_missing_queue_type": "quorum",
+    "task_create_missing_queue_exchange_type": "topic",
     "broker_transport_options": {"confirm_publish": True},
 }
 
@@ -155,25 +158,51 @@ def worker_env() -> dict[str, str]:
     return {"REDISLOCK_TEST_BROKER": BROKER, VHOST_ENV: current_vhost()}
 
 
-def queue_length(app: Any, queue: str = "tests") -> int:
-    """Messages waiting in ``queue`` (not those a worker holds unacknowledged).
+def declare_as_a_worker_would(app: Any) -> None:
+    """Declare ``app``'s queues, and on quorum queues its delay queues, as a worker starting does.
 
+    For a test that publishes a countdown before any worker ran in its
+    vhost: with quorum queues the message goes to the delay exchanges a
+    worker declares (Celery's ``DelayedDelivery`` step, run here as is),
+    and RabbitMQ refuses a publish to an exchange that does not exist.
+    """
+    if not RABBITMQ:
+        return
+    from celery.worker.consumer.delayed_delivery import DelayedDelivery
+
+    with app.connection_for_write() as connection:
+        for queue in app.amqp.queues.values():
+            queue(connection.default_channel).declare()
+    if QUORUM:
+        consumer = types.SimpleNamespace(app=app)
+        DelayedDelivery(consumer)._setup_delayed_delivery(consumer, app.conf.broker_url)
+
+
+def queue_length(app: Any, queue: str = "tests") -> int:
+    """Messages waiting for ``queue`` (not those a worker holds unacknowledged).
+
+    On quorum queues a countdown message waits in the delay queues until it
+    is due: those count too (each test has a vhost, so they are its own).
     0 if the queue was never declared.
     """
     if not RABBITMQ:
         with app.connection_for_write() as connection:
             return int(connection.default_channel.client.llen(queue))
     from amqp.exceptions import NotFound
+    from kombu.transport.native_delayed_delivery import MAX_LEVEL, level_name
 
+    names = [queue, *(level_name(level) for level in range(MAX_LEVEL + 1))] if QUORUM else [queue]
+    waiting = 0
     with app.connection_for_write() as connection:
-        channel = connection.channel()
-        try:
-            return int(channel.queue_declare(queue, passive=True).message_count)
-        except NotFound:
-            return 0
-        finally:
-            with contextlib.suppress(Exception):
+        for name in names:
+            channel = connection.channel()
+            try:
+                waiting += int(channel.queue_declare(name, passive=True).message_count)
+            except NotFound:
+                pass  # never declared (a 404 closes the channel)
+            else:
                 channel.close()
+    return waiting
 
 
 def queue_settled(app: Any, queue: str = "tests") -> bool:

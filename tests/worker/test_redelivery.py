@@ -12,7 +12,7 @@ from celery.app.trace import build_tracer
 
 from celery_redislock import Retry, SingletonTask, Skip, Wait, lock_contended
 from celery_redislock.scripts import RENEW_SCRIPT
-from tests.brokers import queue_length
+from tests.brokers import declare_as_a_worker_would, queue_length
 from tests.conftest import embedded_worker
 from tests.helpers import hold_lock
 from tests.servers import RedisServer, wait_until
@@ -91,6 +91,7 @@ def test_a_copy_whose_own_task_id_holds_the_key_is_retried_whatever_the_policy(
 
     hold_lock(lock_client, job, holder_task_id="the-only-copy", ttl=30)
     before = queue_length(app)
+    declare_as_a_worker_would(app)  # the re-send is published from this process
     trace = build_tracer(job.name, job, app=app, eager=False)
     trace(
         "the-only-copy",
@@ -116,6 +117,7 @@ def test_a_redelivered_copy_held_off_by_another_task_is_never_skipped_by_a_compo
     def job() -> None: ...
 
     hold_lock(lock_client, job, holder_task_id="someone-else", ttl=30)
+    declare_as_a_worker_would(app)  # the re-send is published from this process
     trace = build_tracer(job.name, job, app=app, eager=False)
     trace(
         "redelivered",
@@ -153,6 +155,7 @@ def test_a_redelivered_copy_stays_protected_through_its_lock_retries(
 
     before_task_publish.connect(capture, weak=False)
     try:
+        declare_as_a_worker_would(app)  # the re-send is published from this process
         trace = build_tracer(job.name, job, app=app, eager=False)
         request = {
             "id": "copy",

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from celery.utils import uuid
 
 from celery_redislock import signals
+from celery_redislock.brokers import whole_second_delays, whole_seconds
 from celery_redislock.exceptions import AlreadyQueued, LockBackendError
 from celery_redislock.headers import (
     DEBOUNCE_HEADER,
@@ -169,6 +170,8 @@ def _publish_debounced(
         return task.AsyncResult(burst_id)
     headers = {**(options.pop("headers", None) or {}), DEBOUNCE_HEADER: True}
     countdown = max(due, seconds_until(options.pop("eta", None) or options.pop("countdown", None)))
+    if whole_second_delays(task.app, task, options, args, kwargs):
+        countdown = whole_seconds(countdown)  # native delayed delivery: never under 1 s
     try:
         return publish(
             args, kwargs, task_id=task_id, headers=headers, countdown=countdown, **options

@@ -46,6 +46,10 @@ _BYPASS_OPTIONS = ("chord", "group_id", "chain", "link", "link_error")
 
 Publish = Callable[..., Any]
 
+#: Seconds an enqueue lock outlives its message's ``expires`` (clock skew
+#: between the producer and the worker that checks it).
+_EXPIRY_MARGIN = 1.0
+
 
 def publish_once(
     task: SingletonTaskMixin,
@@ -85,6 +89,11 @@ def publish_once(
     task_id = options.pop("task_id", None) or uuid()
     token = LockValue.queued(task_id, task.name).encode()
     ttl = settings.enqueue_ttl + seconds_until(options.get("eta") or options.get("countdown"))
+    if options.get("expires") is not None:
+        # Never past the message's own expiry: RabbitMQ drops an expired
+        # message itself (Celery sets its expiration), so no worker sees it
+        # to revoke it and free this key.
+        ttl = min(ttl, seconds_until(options["expires"]) + _EXPIRY_MARGIN)
     headers = {**(options.pop("headers", None) or {}), QUEUED_TOKEN_HEADER: token}
     try:
         result = settings.backend.acquire(key, token, max(int(ttl * 1000), 1))

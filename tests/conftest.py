@@ -32,6 +32,13 @@ POOLS = ["solo", "threads", "prefork"]
 _app_counter = itertools.count()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _broker_vhosts_made_ahead() -> Iterator[None]:
+    """On RabbitMQ: delete, once the run ends, the vhosts made ahead and never used."""
+    yield
+    brokers.end_session()
+
+
 @pytest.fixture(autouse=True)
 def _broker_vhost() -> Iterator[None]:
     """On RabbitMQ: delete the vhost the test used (created on first use), once it ended.

@@ -33,7 +33,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from celery.app.task import X_DEATH_HEADERS  # type: ignore[attr-defined]  # not in celery-types
+from celery.app import task as celery_task
 from celery.utils.quorum_queues import detect_quorum_queues
 
 __all__ = [
@@ -44,10 +44,22 @@ __all__ = [
     "whole_seconds",
 ]
 
+#: What Celery's own retry() strips (``X_DEATH_HEADERS``; not in celery-types),
+#: followed should Celery add to it.
+_CELERY_STRIPS: frozenset[str] = frozenset(getattr(celery_task, "X_DEATH_HEADERS", ()))
+
 #: Message headers a broker or transport adds to a delivered message.
 BROKER_HEADERS = frozenset(
     {
-        *X_DEATH_HEADERS,  # RabbitMQ dead-lettering (Celery's own retry() strips these)
+        # RabbitMQ's record of dead-lettering (what Celery's retry() strips).
+        "x-death",
+        "x-first-death-exchange",
+        "x-first-death-queue",
+        "x-first-death-reason",
+        "x-last-death-exchange",
+        "x-last-death-queue",
+        "x-last-death-reason",
+        *_CELERY_STRIPS,
         "x-delivery-count",  # quorum queues: redeliveries
         "x-acquired-count",  # quorum queues, RabbitMQ 4.3: acquisitions
         "x-received-from",  # federation: its hops, for its own cycle detection

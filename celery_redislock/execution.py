@@ -627,6 +627,7 @@ def send_contention_event(
         task.send_event(
             CONTENTION_EVENT,
             retry=False,
+            name=task.name,  # it may reach a monitor before task-received (Flower labels by it)
             redislock_key=key,
             redislock_holder=holder,
             redislock_policy=policy,

@@ -49,15 +49,15 @@ VHOST_ENV = "REDISLOCK_TEST_VHOST"
 #: Every vhost the tests create starts with this (a leftover is easy to find).
 VHOST_PREFIX = "redislock-test-"
 
-#: What Celery documents for quorum queues (Celery >= 5.5), as a user sets it:
-#: the task queues are declared as quorum queues, also those created on
-#: first use (a route to another queue); topic exchanges, because native
-#: delayed delivery (which countdown and ETA messages need once global QoS
-#: is off) does not route through direct exchanges; publisher confirms, so
-#: that a publish RabbitMQ refuses raises (the delay queues reject-publish
-#: on overflow) instead of vanishing. Celery detects the quorum queues
-#: (``worker_detect_quorum_queues``, on by default) and turns global QoS off
-#: by itself.
+#: Quorum queues as a user sets them up for Celery >= 5.5: the task queues
+#: are quorum queues (Celery's docs: ``task_default_queue_type``), also those
+#: created on first use (a route to another queue); topic exchanges, because
+#: native delayed delivery (which countdown and ETA messages need once global
+#: QoS is off) skips direct exchanges (Celery warns); publisher confirms (our
+#: choice, RabbitMQ's advice for quorum queues), so that a publish RabbitMQ
+#: refuses raises (the delay queues reject-publish on overflow) instead of
+#: vanishing. Celery detects the quorum queues (``worker_detect_quorum_queues``,
+#: on by default) and turns global QoS off by itself.
 QUORUM_CONF: dict[str, Any] = {
     "task_default_queue_type": "quorum",
     "task_default_exchange_type": "topic",

@@ -2,8 +2,8 @@
 
 On RabbitMQ quorum queues Celery delays countdown messages through native
 delayed delivery: whole seconds only, and by dead-lettering through delay
-queues (each pass adds ``x-death``). These tests run everywhere; they are
-the ones that failed on quorum queues before the re-send adapted to both.
+queues (each pass adds ``x-death``). These tests run on every broker; the
+first two failed on quorum queues before the re-send adapted to both.
 """
 
 from __future__ import annotations

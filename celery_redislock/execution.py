@@ -23,6 +23,7 @@ from celery.exceptions import Retry as CeleryRetry
 from celery_redislock import signals
 from celery_redislock._clock import clock
 from celery_redislock.abort import interrupter_for_current_thread
+from celery_redislock.brokers import publisher_headers, routable_countdown
 from celery_redislock.exceptions import LockBackendError, LockContended, LockKeyError
 from celery_redislock.handoff import app_pending, marker_ttl_ms, pack_message, pack_signature
 from celery_redislock.headers import (
@@ -676,6 +677,7 @@ def send_contention_event(
         task.send_event(
             CONTENTION_EVENT,
             retry=False,
+            name=task.name,  # it may reach a monitor before task-received (Flower labels by it)
             redislock_key=key,
             redislock_holder=holder,
             redislock_policy=policy,
@@ -750,9 +752,8 @@ def on_backend_error(
 
 
 def resend_headers(request: Any, extra: dict[str, Any]) -> dict[str, Any]:
-    """The headers of a re-send of ``request``: its own, with ``extra`` over them."""
-    headers = {**(request.headers or {}), **extra}
-    headers.pop("redelivered", None)  # set by kombu's Redis transport; not ours to copy
+    """The headers of a re-send of ``request``: its publisher's, with ``extra`` over them."""
+    headers = {**publisher_headers(request.headers), **extra}
     if redelivered(request):
         headers[REDELIVERED_HEADER] = True
     return headers
@@ -776,6 +777,7 @@ def resend(
     if request.is_eager:
         # Eager apply() re-runs a Retry's signature at once (no countdown).
         raise CeleryRetry(exc=exc, when=cast(Any, countdown), is_eager=True, sig=signature)
+    countdown = routable_countdown(task, signature, countdown)  # one Celery can route
     try:
         signature.apply_async()
     except Exception as publish_error:

@@ -67,6 +67,7 @@ PAGES: dict[str, tuple[str, list[str]]] = {
     "settings.md": ("Settings reference", ["gen:settings"]),
     "cli.md": ("CLI reference", ["part:cli.md", "gen:cli"]),
     "topologies.md": ("Redis topologies", ["part:topologies.md"]),
+    "brokers.md": ("Brokers", ["part:brokers.md"]),
     "observability.md": ("Observability", ["part:observability.md"]),
     "design.md": (
         "How it works",
@@ -110,6 +111,7 @@ REFERENCE: dict[str, tuple[str, list[str]]] = {
         [
             "celery_redislock.enqueue",
             "celery_redislock.execution",
+            "celery_redislock.brokers",
             "celery_redislock.headers",
             "celery_redislock.keys",
             "celery_redislock.tokens",

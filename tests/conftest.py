@@ -22,6 +22,7 @@ from celery.contrib.testing.worker import TestWorkController, start_worker
 from celery.worker import state as worker_state
 
 from celery_redislock.settings import forget_app_settings
+from tests import brokers
 from tests.servers import RedisServer, wait_until
 
 BROKER_DB, RESULT_DB, LOCK_DB, RECORD_DB = 0, 1, 2, 3
@@ -29,6 +30,24 @@ BROKER_DB, RESULT_DB, LOCK_DB, RECORD_DB = 0, 1, 2, 3
 POOLS = ["solo", "threads", "prefork"]
 
 _app_counter = itertools.count()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _broker_vhosts_made_ahead() -> Iterator[None]:
+    """On RabbitMQ: delete, once the run ends, the vhosts made ahead and never used."""
+    yield
+    brokers.end_session()
+
+
+@pytest.fixture(autouse=True)
+def _broker_vhost() -> Iterator[None]:
+    """On RabbitMQ: delete the vhost the test used (created on first use), once it ended.
+
+    Autouse, so set up before and torn down after every other fixture of the
+    test: its workers and apps are gone by then.
+    """
+    yield
+    brokers.end_test()
 
 
 @pytest.fixture(scope="session")
@@ -78,7 +97,7 @@ def record(server: RedisServer) -> Iterator[redis.Redis]:
 def make_app(server: RedisServer, **conf: Any) -> Celery:
     app = Celery(f"redislock_test_{next(_app_counter)}", set_as_current=False)
     app.conf.update(
-        broker_url=server.url_for(BROKER_DB),
+        **brokers.broker_conf(server.url_for(BROKER_DB)),
         result_backend=server.url_for(RESULT_DB),
         redislock_url=server.url_for(LOCK_DB),
         broker_connection_retry_on_startup=True,
@@ -157,6 +176,7 @@ def embedded_worker(
                 if pool == "prefork":
                     _let_children_finish(worker)
                 stack_dump.start()
+                _stop_now(worker)
     except RuntimeError as exc:
         if "failed to exit" not in str(exc) or not _stopped_by_killing_children(worker):
             raise
@@ -165,6 +185,19 @@ def embedded_worker(
         # Celery leaves should_terminate set when its worker thread fails to stop;
         # every later embedded worker in this process would then stop at once.
         worker_state.should_terminate = None
+
+
+def _stop_now(worker: Any) -> None:
+    """Tell the worker to stop (as ``start_worker`` is about to) and wake its event loop.
+
+    The loop checks for a stop between two polls of its sockets; an idle
+    AMQP connection has nothing to read, so the poll would only return at
+    the next timer, up to 10 s later (the Redis transport polls every second).
+    """
+    worker_state.should_terminate = 0
+    hub = getattr(worker, "hub", None)
+    if hub is not None:
+        hub.call_soon(lambda: None)
 
 
 def _let_children_finish(worker: Any, timeout: float = 3.0) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 import redis
 
 from examples.server import server_binary, server_version
+from tests.brokers import worker_env
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -332,7 +333,7 @@ class CeleryWorkerProcess:
         else:
             arguments = [command]
         command_line = [sys.executable, "-m", "celery", "-A", app, *arguments, "-l", "info", *extra]
-        full_env = {**os.environ, **env, "PYTHONPATH": str(ROOT)}
+        full_env = {**os.environ, **worker_env(), **env, "PYTHONPATH": str(ROOT)}
         #: Started in a session (and process group) of its own, which
         #: :meth:`kill_group` kills at once, as systemd or a container runtime does.
         self.own_group = own_group

@@ -18,7 +18,7 @@ import pytest
 from celery import Celery
 
 from celery_redislock import SingletonTask
-from tests.conftest import BROKER_DB
+from tests.brokers import declare_as_a_worker_would, queue_length
 from tests.servers import RedisServer
 
 pytestmark = [pytest.mark.fault]
@@ -62,15 +62,15 @@ def test_delay_against_a_frozen_store_returns_within_the_bound_and_publishes(
     @app.task(base=SingletonTask, shared=False, **OPTIONS[mode])
     def job(n: int) -> None: ...
 
-    queue = server.client(BROKER_DB)
+    declare_as_a_worker_would(app)  # a debounced call is a countdown message
     if connection == "open":
         job.delay(0)  # the producer's lock-store connection is open, idle
-    published = queue.llen("tests")
+    published = queue_length(app)
     store.pause()
     elapsed, result = timed_delay(job, 1)
     print(f"\n{mode}, {connection} connection: delay() returned after {elapsed:.3f} s")
     assert elapsed < 1.0 + PUBLISH_SLACK, f"delay() blocked {elapsed:.2f} s"
-    assert queue.llen("tests") == published + 1, "the call was not published"
+    assert queue_length(app) == published + 1, "the call was not published"
     assert result.id
 
 
@@ -87,4 +87,4 @@ def test_the_bound_is_a_setting(
     assert elapsed < 0.2 + PUBLISH_SLACK, f"delay() blocked {elapsed:.2f} s"
     elapsed, _ = timed_delay(job, 2)  # again, on the connection the first one dropped
     assert elapsed < 0.2 + PUBLISH_SLACK, f"delay() blocked {elapsed:.2f} s"
-    assert server.client(BROKER_DB).llen("tests") == 2
+    assert queue_length(app) == 2

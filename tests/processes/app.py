@@ -1,7 +1,8 @@
 """The app that `celery worker` subprocesses run in the crash and shutdown tests.
 
 Configured from the environment: REDISLOCK_TEST_URL (base redis:// URL of
-the test's own server) and REDISLOCK_TEST_TTL (lock TTL in seconds).
+the test's own server) and REDISLOCK_TEST_TTL (lock TTL in seconds); the
+broker as ``tests/brokers.py`` says (REDISLOCK_TEST_BROKER, REDISLOCK_TEST_VHOST).
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ from celery.signals import task_revoked
 
 from celery_redislock import HandOff, Retry, SingletonTask, Wait, lock_contended, lock_lost
 from celery_redislock.fencing import FencedStore
+from tests.brokers import subprocess_broker_conf
 
 BASE_URL = os.environ.get("REDISLOCK_TEST_URL", "redis://127.0.0.1:1")
 TTL = float(os.environ.get("REDISLOCK_TEST_TTL", "30"))
 
 app = Celery("redislock_processes")
 app.conf.update(
-    broker_url=f"{BASE_URL}/0",
+    **subprocess_broker_conf(f"{BASE_URL}/0"),
     result_backend=f"{BASE_URL}/1",
     redislock_url=f"{BASE_URL}/2",
     redislock_ttl=TTL,

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from tests.brokers import queue_length
 from tests.processes.test_crash import APP, Cluster, cluster  # noqa: F401  (fixture)
 from tests.servers import CeleryWorkerProcess, wait_until
 
@@ -84,7 +85,7 @@ def test_expires_equal_to_the_interval_drops_the_backlog(cluster: Cluster) -> No
         timeout=30,
         message="queued runs to expire instead of running late",
     )
-    wait_until(lambda: cluster.server.client(0).llen("tests") == 0, timeout=30)
+    wait_until(lambda: queue_length(cluster.producer) == 0, timeout=30)
     wait_until(lambda: int(cluster.record.get("periodic:active") or 0) == 0, timeout=30)
     runs = assert_no_overlap(cluster)
     expired = int(cluster.record.get("expired") or 0)

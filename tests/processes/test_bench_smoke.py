@@ -10,9 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.brokers import redis_broker_only
 from tests.servers import ROOT
 
-pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.subprocess,
+    pytest.mark.slow,
+    redis_broker_only("the benchmarks start their own Redis broker (bench/common.py)"),
+]
 
 
 @pytest.mark.timeout(420)

@@ -8,9 +8,14 @@ import sys
 
 import pytest
 
+from tests.brokers import redis_broker_only
 from tests.servers import ROOT
 
-pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.subprocess,
+    pytest.mark.slow,
+    redis_broker_only("the README's demo starts its own Redis as broker and lock store"),
+]
 
 
 def _descendants() -> set[int]:

@@ -16,10 +16,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.brokers import redis_broker_only
 from tests.readme import blocks
 from tests.servers import RedisServer, wait_until
 
-pytestmark = [pytest.mark.subprocess]
+pytestmark = [
+    pytest.mark.subprocess,
+    redis_broker_only("the README's quickstart is written for the Redis broker (REDIS_URL)"),
+]
 
 
 def test_quickstart_runs_end_to_end(server: RedisServer, tmp_path: Path) -> None:

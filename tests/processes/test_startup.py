@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from tests.brokers import worker_env
 from tests.servers import ROOT, CeleryWorkerProcess, RedisServer, free_port
 
 pytestmark = [pytest.mark.subprocess]
@@ -20,6 +21,7 @@ def test_bad_settings_stop_celery_worker_before_ready(server: RedisServer) -> No
     conf = {"redislock_tll": 5, "redislock_on_contention": "skipp"}
     env = {
         **os.environ,
+        **worker_env(),
         "PYTHONPATH": str(ROOT),
         "REDISLOCK_TEST_URL": server.url,
         "REDISLOCK_TEST_CONF": json.dumps(conf),

@@ -25,7 +25,14 @@ from celery import Celery
 
 from celery_redislock.keys import handoff_keys
 from celery_redislock.settings import forget_app_settings
-from tests.conftest import BROKER_DB
+from tests.brokers import (
+    RABBITMQ,
+    broker_conf,
+    message_reserved,
+    queue_length,
+    queue_settled,
+    redis_broker_only,
+)
 from tests.processes import app as worker_app
 from tests.processes.test_crash import Cluster
 from tests.servers import CeleryWorkerProcess, wait_until
@@ -57,12 +64,24 @@ SHORT_VISIBILITY = {
     }
 }
 
+#: At broker defaults; and with the dead worker's messages coming back (on
+#: RabbitMQ they come back at once, at its defaults: no variant needed).
+VARIANTS = [
+    pytest.param({}, id="broker-defaults"),
+    pytest.param(
+        SHORT_VISIBILITY,
+        id="visibility-8s",
+        marks=redis_broker_only("the Redis transport's visibility timeout"),
+    ),
+]
+
 
 @contextlib.contextmanager
 def producer(workers: Cluster, **conf: Any) -> Iterator[Celery]:
     """The tasks' own app, pointed at this test's server, publishing with ``apply_async``."""
     app = worker_app.app
-    keys = ("broker_url", "result_backend", "redislock_url", "redislock_ttl", *conf)
+    broker = tuple(broker_conf(workers.server.url))
+    keys = (*broker, "result_backend", "redislock_url", "redislock_ttl", *conf)
     saved = {k: app.conf.get(k) for k in keys}
 
     def reset() -> None:
@@ -71,7 +90,7 @@ def producer(workers: Cluster, **conf: Any) -> Iterator[Celery]:
         app._backend_cache = None
         app._local = threading.local()  # the result backend
 
-    app.conf.update({k: workers.producer.conf[k] for k in keys[:3]})
+    app.conf.update({k: workers.producer.conf[k] for k in keys[: len(broker) + 2]})
     app.conf.update(redislock_ttl=TTL, **conf)
     reset()
     try:
@@ -82,15 +101,13 @@ def producer(workers: Cluster, **conf: Any) -> Iterator[Celery]:
 
 
 def _reserved_by_a_worker(workers: Cluster) -> bool:
-    """The broker's queue is empty and a message is out, unacknowledged (reserved)."""
-    broker = workers.server.client(BROKER_DB)
-    return broker.llen("tests") == 0 and broker.hlen("unacked") > 0
+    """The broker's queue is empty and a message is out (reserved; on quorum queues, delayed)."""
+    return message_reserved(workers.producer)
 
 
 def _broker_drained(workers: Cluster) -> bool:
-    """No message waiting in the queue, none reserved: redelivered copies were consumed."""
-    broker = workers.server.client(BROKER_DB)
-    return broker.llen("tests") == 0 and broker.hlen("unacked") == 0
+    """No message waiting or reserved (nor delayed): redelivered copies were consumed."""
+    return queue_settled(workers.producer) and queue_length(workers.producer) == 0
 
 
 def _runs_once(workers: Cluster, name: str, task_id: str) -> None:
@@ -114,7 +131,7 @@ def _first_worker(
     return workers.worker(ttl=TTL, name="wa", conf=conf, own_group=True, concurrency=concurrency)
 
 
-@pytest.mark.parametrize("conf", [{}, SHORT_VISIBILITY], ids=["broker-defaults", "visibility-8s"])
+@pytest.mark.parametrize("conf", VARIANTS)
 def test_a_parked_call_runs_when_its_holder_and_safety_net_die_with_one_worker(
     workers: Cluster, conf: dict[str, Any]
 ) -> None:
@@ -134,11 +151,11 @@ def test_a_parked_call_runs_when_its_holder_and_safety_net_die_with_one_worker(
     (started,) = _starts(workers, "sweep-parked", waiter.id)
     print(f"\n[measured] wa SIGKILL -> parked call started after {started - killed_at:.2f}s")
     assert started - killed_at <= BOUND
-    if conf:
+    if conf or RABBITMQ:
         _runs_once(workers, "sweep-parked", waiter.id)
 
 
-@pytest.mark.parametrize("conf", [{}, SHORT_VISIBILITY], ids=["broker-defaults", "visibility-8s"])
+@pytest.mark.parametrize("conf", VARIANTS)
 def test_a_coalesced_run_reserved_by_a_dead_worker_runs(
     workers: Cluster, conf: dict[str, Any]
 ) -> None:
@@ -158,11 +175,11 @@ def test_a_coalesced_run_reserved_by_a_dead_worker_runs(
     (started,) = _starts(workers, "sweep-queued", queued.id)
     print(f"\n[measured] wa SIGKILL -> queued run started after {started - killed_at:.2f}s")
     assert started - killed_at <= BOUND
-    if conf:
+    if conf or RABBITMQ:
         _runs_once(workers, "sweep-queued", queued.id)
 
 
-@pytest.mark.parametrize("conf", [{}, SHORT_VISIBILITY], ids=["broker-defaults", "visibility-8s"])
+@pytest.mark.parametrize("conf", VARIANTS)
 def test_a_debounced_run_whose_countdown_died_with_its_worker_runs(
     workers: Cluster, conf: dict[str, Any]
 ) -> None:
@@ -178,5 +195,5 @@ def test_a_debounced_run_whose_countdown_died_with_its_worker_runs(
     # Due 6 s (the window) after the call; then the bound, as for a holder.
     print(f"\n[measured] debounced call -> its run started after {started - called_at:.2f}s")
     assert started - called_at <= 6.0 + BOUND
-    if conf:
+    if conf or RABBITMQ:
         _runs_once(workers, "sweep-debounced", run.id)

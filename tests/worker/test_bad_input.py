@@ -10,7 +10,8 @@ from celery import Celery
 from kombu.exceptions import EncodeError
 
 from celery_redislock import ConfigurationError, LockBackendError, LockKeyError, SingletonTask
-from tests.conftest import BROKER_DB, embedded_worker
+from tests.brokers import queue_length
+from tests.conftest import embedded_worker
 from tests.servers import RedisServer
 
 pytestmark = pytest.mark.worker
@@ -43,7 +44,7 @@ def test_unkeyable_argument_at_enqueue_raises_and_publishes_nothing(
 
     with pytest.raises(LockKeyError, match="no stable encoding"):
         job.apply_async((Opaque(),), serializer="pickle")
-    assert server.client(BROKER_DB).llen("tests") == 0
+    assert queue_length(app) == 0
 
 
 def test_a_non_json_argument_raises_kombus_encode_error_with_or_without_the_lock(
@@ -71,7 +72,7 @@ def test_a_non_json_argument_raises_kombus_encode_error_with_or_without_the_lock
         queued_once.delay(Opaque())
     with pytest.raises(EncodeError):
         queued_once.lock_key_for((Opaque(),), {})
-    assert server.client(BROKER_DB).llen("tests") == 0
+    assert queue_length(app) == 0
 
 
 def test_huge_arguments_run_with_a_fixed_size_key(app: Celery, lock_client: redis.Redis) -> None:
@@ -112,7 +113,7 @@ def test_misconfigured_app_raises_at_the_call_and_publishes_nothing(
 
     with pytest.raises(ConfigurationError, match=message):
         job.delay()
-    assert server.client(BROKER_DB).llen("tests") == 0
+    assert queue_length(app) == 0
 
 
 def test_unreachable_lock_store_fails_the_task_visibly(

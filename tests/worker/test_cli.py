@@ -19,6 +19,7 @@ from click.testing import CliRunner, Result
 from celery_redislock import SingletonTask
 from celery_redislock.admin import LockInventory
 from celery_redislock.cli import redislock
+from tests.brokers import worker_env
 from tests.conftest import embedded_worker
 from tests.helpers import hold_lock
 from tests.servers import RedisServer, free_port, wait_until
@@ -174,6 +175,7 @@ def test_listing_escapes_glob_characters_in_the_prefix(
 def test_real_celery_command(server: RedisServer, lock_client: redis.Redis) -> None:
     env = {
         **os.environ,
+        **worker_env(),
         "REDISLOCK_TEST_URL": server.url,
         "PYTHONPATH": str(ROOT),
     }

@@ -36,6 +36,7 @@ from celery import Celery
 
 from celery_redislock import LockContended, Raise, Retry, SingletonTask, is_skipped
 from celery_redislock.task import CONTENTION_EVENT
+from tests.brokers import worker_env
 from tests.conftest import embedded_worker
 from tests.helpers import hold_lock
 from tests.servers import ROOT, RedisServer, free_port, wait_until
@@ -53,6 +54,7 @@ class Flower:
         self.log_file = tempfile.NamedTemporaryFile(prefix="redislock-flower-", suffix=".log")
         env = {
             **os.environ,
+            **worker_env(),
             "PYTHONPATH": str(ROOT),
             "REDISLOCK_TEST_URL": server.url,
             # Flower 2 serves its API only with authentication or this.

@@ -12,7 +12,8 @@ from celery.app.trace import build_tracer
 
 from celery_redislock import Retry, SingletonTask, Skip, Wait, lock_contended
 from celery_redislock.scripts import RENEW_SCRIPT
-from tests.conftest import BROKER_DB, embedded_worker
+from tests.brokers import declare_as_a_worker_would, queue_length
+from tests.conftest import embedded_worker
 from tests.helpers import hold_lock
 from tests.servers import RedisServer, wait_until
 
@@ -89,8 +90,8 @@ def test_a_copy_whose_own_task_id_holds_the_key_is_retried_whatever_the_policy(
     def job() -> None: ...
 
     hold_lock(lock_client, job, holder_task_id="the-only-copy", ttl=30)
-    broker = server.client(BROKER_DB)
-    before = broker.llen("tests")
+    before = queue_length(app)
+    declare_as_a_worker_would(app)  # the re-send is published from this process
     trace = build_tracer(job.name, job, app=app, eager=False)
     trace(
         "the-only-copy",
@@ -105,7 +106,8 @@ def test_a_copy_whose_own_task_id_holds_the_key_is_retried_whatever_the_policy(
         },
     )
     assert app.AsyncResult("the-only-copy").state == "RETRY"
-    assert broker.llen("tests") == before + 1  # re-sent, to run once the holder is gone
+    # Re-sent, to run once the holder is gone.
+    wait_until(lambda: queue_length(app) == before + 1, timeout=10)
 
 
 def test_a_redelivered_copy_held_off_by_another_task_is_never_skipped_by_a_composed_policy(
@@ -115,6 +117,7 @@ def test_a_redelivered_copy_held_off_by_another_task_is_never_skipped_by_a_compo
     def job() -> None: ...
 
     hold_lock(lock_client, job, holder_task_id="someone-else", ttl=30)
+    declare_as_a_worker_would(app)  # the re-send is published from this process
     trace = build_tracer(job.name, job, app=app, eager=False)
     trace(
         "redelivered",
@@ -152,6 +155,7 @@ def test_a_redelivered_copy_stays_protected_through_its_lock_retries(
 
     before_task_publish.connect(capture, weak=False)
     try:
+        declare_as_a_worker_would(app)  # the re-send is published from this process
         trace = build_tracer(job.name, job, app=app, eager=False)
         request = {
             "id": "copy",

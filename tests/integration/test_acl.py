@@ -73,32 +73,6 @@ def acl_server(redis_server_factory: Any) -> RedisServer:
     return server
 
 
-#: And for hand-off, coalescing and debounce, and the workers' sweep
-#: (docs/_parts/topologies.md).
-HANDOFF_RULES = (
-    "+lpop",
-    "+rpush",
-    "+lpush",
-    "+lrem",
-    "+lpos",
-    "+lindex",
-    "+llen",
-    "+lrange",
-    "+hset",
-    "+hget",
-    "+hmget",
-    "+hdel",
-    "+hsetnx",
-    "+hexists",
-    "+hkeys",
-    "+hlen",
-    "+zadd",
-    "+zscore",
-    "+zrangebyscore",
-    "+zrem",
-)
-
-
 @pytest.fixture
 def make_app(acl_server: RedisServer) -> Iterator[Any]:
     apps: list[Celery] = []
@@ -203,3 +177,13 @@ def test_a_missing_permission_is_a_clear_error(
     finally:
         store.close()
     wait_until(lambda: acl_server.client().exists("redislock:k") == 0, timeout=5)
+
+
+def test_the_documented_rules_are_the_ones_tested() -> None:
+    from tests.servers import ROOT
+
+    text = (ROOT / "docs" / "_parts" / "topologies.md").read_text()
+    setuser = next(line for line in text.splitlines() if line.startswith("ACL SETUSER locker"))
+    assert tuple(setuser.split()[5:]) == LOCK_USER_RULES
+    handoff = next(line for line in text.splitlines() if line.strip().startswith("`+lpop"))
+    assert tuple(handoff.strip().strip("`.").split()) == HANDOFF_RULES

@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 import time
 
+from typing import Any
+
 import pytest
 import redis
 
@@ -12,6 +14,7 @@ from celery_redislock.keys import debounce_key, handoff_keys, next_run_key, queu
 from celery_redislock.pending import Member, PendingIndex, Reaping
 from celery_redislock.store import LockStore, ReleaseOutcome
 from tests.conftest import LOCK_DB
+from tests.integration.test_acl import HANDOFF_RULES, LOCK_USER_RULES
 from tests.helpers import held
 from tests.servers import FaultProxy, RedisServer, wait_until
 
@@ -183,8 +186,9 @@ def test_a_debounced_run_with_a_longer_countdown_is_not_copied_before_it(
 ) -> None:
     """``delay(countdown=...)`` longer than the window: the run is due then, not sooner."""
     store.debounce(KEY, "burst-1", 100, 1000, b"run", "handoff-d", None, 50, 1500)
-    time.sleep(0.3)  # past the window and its grace: the countdown is not
-    assert index.reap_debounced(KEY, PARK_TTL).outcome is Reaping.LATER
+    reaped = index.reap_debounced(KEY, PARK_TTL)
+    # Due at the countdown (1.5 s) and its grace, not at the window (0.1 s).
+    assert reaped.outcome is Reaping.LATER and reaped.later_ms > 1400
 
 
 def test_apps_sharing_a_store_and_a_prefix_keep_their_pending_calls_apart(
@@ -246,3 +250,35 @@ def test_a_release_retried_after_its_reply_was_lost_publishes_the_hand_over(
     finally:
         store.close()
         proxy.close()
+
+
+def test_a_lock_store_user_with_the_documented_rules_runs_the_sweep(
+    redis_server_factory: Any,
+) -> None:
+    """The ACL of docs/_parts/topologies.md covers the index, the outbox and every reap."""
+    server: RedisServer = redis_server_factory(
+        "--user", "parker", "on", ">pw", *LOCK_USER_RULES, *HANDOFF_RULES
+    )  # fmt: skip
+    store = LockStore(url=f"redis://parker:pw@127.0.0.1:{server.port}/0")
+    store.handoff_ttl_ms = HANDOFF_TTL
+    admin = server.client()
+    index = PendingIndex(store, "redislock", "proj")
+    try:
+        assert store.acquire(KEY, "holder", TTL).acquired
+        assert park(store, index, "a", "handoff-a", b"message-a")
+        claim, due = index.due(10, 1000)
+        assert due == [Member.parked(KEY, 1)]
+        assert index.reap_parked(KEY, 1, HANDOFF_TTL, 0).outcome is Reaping.LATER
+        index.settle(due[0], claim, 1000)
+        admin.delete(KEY)  # the holder died
+        assert index.reap_parked(KEY, 1, HANDOFF_TTL, 0).handoff == "handoff-a"
+        other = "redislock:t:{queued}"
+        assert index.queue_run(other, "token", PARK_TTL, "handoff-q", b"run", 0, "id-q", 10)[0]
+        wait_until(lambda: index.reap_queued(other, "id-q", PARK_TTL).outcome is Reaping.PUBLISH)
+        touch = index.touch_call(Member.debounced(KEY), 0)
+        store.debounce(KEY, "burst", 10, 100, b"run", "handoff-d", touch, 10)
+        wait_until(lambda: index.reap_debounced(KEY, PARK_TTL).outcome is Reaping.PUBLISH)
+        index.put_outbox("id-1", b"message", 0, 60_000)
+        assert index.take_outbox("id-1") == b"message"
+    finally:
+        store.close()

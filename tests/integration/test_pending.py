@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import time
-
 from typing import Any
 
 import pytest
@@ -14,8 +13,8 @@ from celery_redislock.keys import debounce_key, handoff_keys, next_run_key, queu
 from celery_redislock.pending import Member, PendingIndex, Reaping
 from celery_redislock.store import LockStore, ReleaseOutcome
 from tests.conftest import LOCK_DB
-from tests.integration.test_acl import HANDOFF_RULES, LOCK_USER_RULES
 from tests.helpers import held
+from tests.integration.test_acl import HANDOFF_RULES, LOCK_USER_RULES
 from tests.servers import FaultProxy, RedisServer, wait_until
 
 KEY = "redislock:t:{abc}"

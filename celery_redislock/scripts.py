@@ -8,7 +8,7 @@ a ``DEL``. Everything else is paid only by whoever needs it:
 * a fence, by the holder that reads one (:data:`FENCE`): the key's counter
   exists only then, and its renewals and release then settle it;
 * a hand-over or a wake-up, by the releases of keys someone parked or waits
-  behind: a waiter appends :data:`~celery_redislock.tokens.WAITING` to the
+  behind: a waiter appends ``tokens.WAITING`` to the
   holder's value, the release sees it in its ``GET`` and leaves the work to
   :data:`RELEASE_FULL`;
 * taking over one's own value after a lost reply, or a queued value

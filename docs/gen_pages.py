@@ -105,7 +105,12 @@ REFERENCE: dict[str, tuple[str, list[str]]] = {
     "reference/store.md": ("Lock store", ["celery_redislock.store"]),
     "reference/settings.md": (
         "Settings module",
-        ["celery_redislock.settings", "celery_redislock.validators"],
+        [
+            "celery_redislock.settings",
+            "celery_redislock.setting_specs",
+            "celery_redislock.setting_checks",
+            "celery_redislock.validators",
+        ],
     ),
     "reference/exceptions.md": ("Exceptions", ["celery_redislock.exceptions"]),
     "reference/signals.md": ("Signals", ["celery_redislock.signals"]),
@@ -186,11 +191,11 @@ def headings(text: str) -> list[str]:
 
 
 def settings_page() -> str:
-    """The settings reference, built from ``celery_redislock.settings.SETTINGS``."""
+    """The settings reference, built from ``celery_redislock.setting_specs.SETTINGS``."""
     from celery_redislock import settings, validators
 
     lines = [
-        "Generated from `celery_redislock.settings.SETTINGS`, the one registry the",
+        "Generated from `celery_redislock.setting_specs.SETTINGS`, the one registry the",
         "package reads, validates and documents its settings from. Settings are read",
         'from `app.conf`; under `config_from_object(..., namespace="CELERY")` the',
         "`CELERY_REDISLOCK_*` spelling works too. A task attribute left at `None`",

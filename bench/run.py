@@ -66,7 +66,7 @@ def main() -> int:
     if args.smoke:
         args.rounds, args.tasks, args.crash_rounds, args.crash_cap = 1, 40, 1, 1.0
     available = peers_available()
-    contenders = ["plain", "redislock", "redislock_limit3"] + [
+    contenders = ["plain", "floor", "redislock", "redislock_limit3"] + [
         name
         for name, module in (
             ("celery_singleton", "celery_singleton"),
@@ -111,7 +111,7 @@ def main() -> int:
                 # A smoke run checks the scenario runs: this package only.
                 ["redislock"]
                 if args.smoke
-                else [c for c in contenders if c not in ("plain", "redislock_limit3")],
+                else [c for c in contenders if c not in ("plain", "floor", "redislock_limit3")],
                 ("default",) if args.smoke else ("default", "ttl60"),
                 kills=tuple(args.crash_kills.split(",")),
             ),

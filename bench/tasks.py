@@ -8,10 +8,13 @@ uses, a separate redis-server so its commands can be counted).
 from __future__ import annotations
 
 import os
+import socket
+import threading
+from urllib.parse import urlsplit
 
 import redis
 
-from bench.common import bench_app, broker_url
+from bench.common import bench_app, broker_url, lock_url
 from celery_redislock import Retry, SingletonTask, Wait
 
 app = bench_app("bench", prefetch=4)
@@ -28,6 +31,39 @@ def done() -> None:
 
 @app.task(name="bench.plain")
 def plain(n: int) -> None:
+    done()
+
+
+_floor = threading.local()
+
+
+def _two_bare_round_trips(n: int) -> None:
+    """``SET NX PX GET`` and ``DEL`` of a per-task key on a bare socket, no client library.
+
+    The floor of what any lock that takes and frees a key in the worker
+    costs there: the same two round trips as this package's uncontended
+    cycle, with no parsing, no ownership check and no features.
+    """
+    if getattr(_floor, "pid", None) != os.getpid():
+        address = urlsplit(lock_url())
+        _floor.sock = socket.create_connection((address.hostname, address.port or 6379))
+        _floor.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _floor.pid = os.getpid()
+    key = f"floor:{n}".encode()
+    head = b"$%d\r\n%s\r\n" % (len(key), key)
+    _floor.sock.sendall(
+        b"*7\r\n$3\r\nSET\r\n" + head + b"$1\r\n1\r\n$2\r\nNX\r\n$2\r\nPX\r\n"
+        b"$5\r\n30000\r\n$3\r\nGET\r\n"
+    )
+    _floor.sock.recv(64)
+    _floor.sock.sendall(b"*2\r\n$3\r\nDEL\r\n" + head)
+    _floor.sock.recv(64)
+
+
+@app.task(name="bench.floor")
+def floor(n: int) -> None:
+    """A plain task that makes two bare round trips to the lock store: the floor of a lock."""
+    _two_bare_round_trips(n)
     done()
 
 

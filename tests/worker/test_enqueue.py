@@ -482,3 +482,48 @@ def test_the_take_back_of_a_failed_enqueue_never_frees_a_retrys_hand_off(
         assert first.get(timeout=30) == "synced 7"
         assert again.id == first.id or again.get(timeout=30) == "synced 7"
     assert [run.split(":")[0] for run in record.lrange("runs", 0, -1)[:2]] == [first.id] * 2
+
+
+def test_coalesced_and_debounced_calls_take_every_option_celery_takes(app: Celery) -> None:
+    """Their message is kept in the lock store: objects of this process are not kept, but allowed.
+
+    A kombu ``Queue``/``Exchange`` is kept by name; a producer or connection
+    only serves this publish.
+    """
+    from kombu import Exchange, Queue
+
+    @app.task(base=SingletonTask, shared=False, lock_enqueue="until_start")
+    def coalesced(n: str) -> None: ...
+
+    @app.task(base=SingletonTask, shared=False, lock_debounce=5)
+    def debounced(n: str) -> None: ...
+
+    declare_as_a_worker_would(app)  # a debounced call is a countdown message
+    tests_queue = Queue("tests", Exchange("tests"), "tests")
+    published = 0
+    for task in (coalesced, debounced):
+        with app.connection_for_write() as connection, app.producer_or_acquire() as producer:
+            task.apply_async(("producer",), producer=producer)
+            task.apply_async(("connection",), connection=connection)
+        task.apply_async(("queue",), queue=tests_queue)
+        task.apply_async(("exchange",), exchange=Exchange("tests"), routing_key="tests")
+        published += 4
+    wait_until(lambda: queue_length(app) == published, timeout=10)
+
+
+def test_a_stored_copy_expires_when_the_call_does(app: Celery) -> None:
+    """``expires`` in seconds is made absolute: a sweep's copy published later expires on time."""
+    from datetime import datetime, timedelta, timezone
+
+    from celery_redislock.enqueue import stored_message
+    from celery_redislock.handoff import unpack_message
+
+    @app.task(base=SingletonTask, shared=False, lock_enqueue="until_start")
+    def coalesced(n: str) -> None: ...
+
+    before = datetime.now(timezone.utc)
+    _, message = stored_message(coalesced, ("x",), {}, "id-1", {"expires": 60}, {})
+    expires = datetime.fromisoformat(unpack_message(message)["options"]["expires"])
+    assert before + timedelta(seconds=59) < expires <= datetime.now(timezone.utc) + timedelta(
+        seconds=60
+    )

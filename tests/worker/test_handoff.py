@@ -770,3 +770,45 @@ def test_a_second_delivery_inside_the_idempotency_window_never_runs_again(
         )
         time.sleep(1.0)  # the observation window: a sweep would hand it over now
     assert record.lrange("runs", 0, -1) == ["pay-1"]
+
+
+def test_a_revoked_parked_call_leaves_the_queue_when_a_copy_of_it_arrives(
+    app: Celery, record: redis.Redis, lock_client: redis.Redis
+) -> None:
+    """Revoked while parked: its next copy (safety net, woken message) is dropped and withdraws it.
+
+    Left in the queue, the holder's release would hand it the key and publish
+    a message only to be dropped again; withdrawn, the release frees the key.
+    """
+    from celery_redislock.headers import HANDOFF_HEADER
+
+    @app.task(base=SingletonTask, shared=False, lock_args=(), lock_on_contention="handoff")
+    def job(label: str) -> str:
+        record.rpush("runs", label)
+        return label
+
+    key = job.lock_key_for(("x",), {})
+    waiters = handoff_keys(key)[0]
+    holder = "v1|holder|0|elsewhere|1|ab|job|0"
+    lock_client.set(key, holder, px=60_000)
+    with embedded_worker(app, "threads", 2):
+        parked = job.delay("revoked")
+        wait_until(lambda: lock_client.llen(waiters) == 1, timeout=20)
+        handoff = lock_client.lindex(waiters, 0).decode()
+        parked.revoke()
+        # Its safety-net copy, as the worker receives it: same id, its hand-off value.
+        wait_until(lambda: parked.state == "REVOKED" or _revoked_in_worker(app, parked.id), 10)
+        job.apply_async(("revoked",), task_id=parked.id, headers={HANDOFF_HEADER: handoff})
+        wait_until(lambda: lock_client.llen(waiters) == 0, timeout=20)
+        assert held(lock_client, key) == holder.encode()
+        job._lock_settings().backend.release(key, holder)
+        assert not lock_client.exists(key)  # not handed to the revoked call
+        assert job.delay("later").get(timeout=20) == "later"
+    assert record.lrange("runs", 0, -1) == ["later"]
+
+
+def _revoked_in_worker(app: Celery, task_id: str) -> bool:
+    """The worker has recorded the revoke (Celery's in-memory list of revoked ids)."""
+    from celery.worker import state
+
+    return task_id in state.revoked

@@ -8,7 +8,8 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_redislock import Retry, SingletonTask, lock_contended
+from celery_redislock import LockBackendError, Retry, SingletonTask, lock_contended
+from celery_redislock.keys import pending_keys
 from tests.conftest import embedded_worker
 from tests.servers import RedisServer, wait_until
 
@@ -67,3 +68,48 @@ def test_a_lock_retry_whose_publish_fails_runs_once_the_broker_is_back(
     finally:
         lock_contended.disconnect(broker_dies)
     assert record.lrange("runs", 0, -1) == ["only"]
+
+
+def test_a_worker_that_does_not_sweep_fails_a_refused_re_send_visibly(
+    app_factory: Any, redis_server_factory: Any, record: redis.Redis, lock_client: redis.Redis
+) -> None:
+    """``redislock_sweep_interval=0``: nothing here would publish it, so nothing is kept.
+
+    The call fails (FAILURE naming both refusals) instead of waiting in an
+    outbox no worker reads.
+    """
+    broker: RedisServer = redis_server_factory()
+    app: Celery = app_factory(
+        broker_url=broker.url_for(0),
+        redislock_sweep_interval=0,
+        worker_cancel_long_running_tasks_on_connection_loss=True,
+    )
+
+    @app.task(
+        base=SingletonTask,
+        shared=False,
+        lock_args=(),
+        lock_on_contention=Retry(countdown=0.5, jitter=0, max_retries=5),
+    )
+    def job(label: str) -> str:
+        record.rpush("runs", label)
+        return label
+
+    def broker_dies(sender: Any = None, **_: Any) -> None:
+        if getattr(sender, "name", None) == job.name and not record.getset("broker-killed", 1):
+            broker.kill()
+
+    lock_contended.connect(broker_dies, weak=False)
+    key = job.lock_key_for(("only",), {})
+    lock_client.set(key, "v1|holder|0|elsewhere|1|ab|job|0", px=1500)
+    try:
+        with embedded_worker(app, "threads", 2):
+            result = job.delay("only")
+            wait_until(lambda: app.AsyncResult(result.id).state == "FAILURE", timeout=30)
+            error = app.AsyncResult(result.id).result
+            assert isinstance(error, LockBackendError)
+            assert "does not sweep" in str(error) and "broker refused" in str(error)
+    finally:
+        lock_contended.disconnect(broker_dies)
+    assert lock_client.hlen(pending_keys("redislock", app.main or "")[1]) == 0
+    assert record.llen("runs") == 0

@@ -524,6 +524,8 @@ def test_a_stored_copy_expires_when_the_call_does(app: Celery) -> None:
     before = datetime.now(timezone.utc)
     _, message = stored_message(coalesced, ("x",), {}, "id-1", {"expires": 60}, {})
     expires = datetime.fromisoformat(unpack_message(message)["options"]["expires"])
-    assert before + timedelta(seconds=59) < expires <= datetime.now(timezone.utc) + timedelta(
-        seconds=60
+    assert (
+        before + timedelta(seconds=59)
+        < expires
+        <= datetime.now(timezone.utc) + timedelta(seconds=60)
     )

@@ -204,7 +204,9 @@ class LockInventory:
         Raises:
             LockBackendError: Redis is unreachable.
         """
-        outcome = self.settings.backend.release(record.key, record.value)
+        # fenced: the holder may have read a fence; its counter is settled as
+        # the holder's own release would (never left to outlive the clock).
+        outcome = self.settings.backend.release(record.key, record.value, fenced=True)
         if log and outcome is ReleaseOutcome.RELEASED:
             logger.warning(
                 "force-released lock %s (task %s, holder %s on %s pid %s)",

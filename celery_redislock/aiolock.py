@@ -230,7 +230,7 @@ class AsyncLockHandle:
         if ttl is not None:
             self._set_ttl(validate_ttl(ttl, "ttl"))
         sent_at = clock()
-        outcome = await self.backend.extend(self.key, self.value, self.ttl_ms)
+        outcome = await self.backend.extend(self.key, self.value, self.ttl_ms, self.fenced)
         if outcome is RenewOutcome.RENEWED:
             self.valid_until = self._validity_from(sent_at)
             self.renew_at = sent_at + self.renew_period
@@ -258,7 +258,7 @@ class AsyncLockHandle:
         self._stop_renewal()
         resent, self._release_sent = self._release_sent, True
         try:
-            outcome = await self.backend.release(self.key, self.value, self.fenced)
+            outcome = await self.backend.release(self.key, self.value, self.fenced, resent)
         except LockBackendError as exc:
             self._release_done = True
             logger.error(
@@ -266,8 +266,6 @@ class AsyncLockHandle:
             )
             return None
         self._release_done = True
-        if resent and outcome is ReleaseOutcome.ALREADY_GONE:
-            outcome = ReleaseOutcome.RELEASED
         if outcome is ReleaseOutcome.NOT_OURS:
             logger.warning(
                 "lock %s was no longer ours at release (held %.3fs); "
@@ -424,7 +422,8 @@ async def _take_back(
             if delay:
                 await asyncio.sleep(delay)
             try:
-                outcome = await store.release(key, value)
+                # fenced: the counter is settled, whoever read a fence.
+                outcome = await store.release(key, value, fenced=True)
             except LockBackendError as exc:
                 logger.debug("taking back lock %s: %s; trying again later", key, exc)
                 outcome = ReleaseOutcome.ALREADY_GONE
@@ -767,6 +766,16 @@ class AsyncRedisLock:
         """
         return self._extend(_caller_owner() if self.reentrant else None, ttl)
 
+    async def _holder_ttl(self, contention: AcquireResult) -> float | None:
+        """The contended holder's TTL: read now if the acquire did not (``None`` if unknown)."""
+        if contention.known_ttl is not None or contention.holder is None:
+            return contention.known_ttl
+        try:
+            return await self.backend.holder_ttl(self.name)
+        except LockBackendError as exc:
+            logger.info("the holder's TTL of lock %s is unknown: %s", self.name, exc)
+            return None
+
     async def _extend(self, owner: object, ttl: float | None) -> None:
         if self.reentrant:
             hold = _HOLDS.get(self.backend, self.name, task_owner() if owner is None else owner)
@@ -783,7 +792,7 @@ class AsyncRedisLock:
         try:
             if not await self.acquire():
                 last = self._last_contention
-                raise LockContended(self.name, last.holder_task_id, last.ttl_remaining)
+                raise LockContended(self.name, last.holder_task_id, await self._holder_ttl(last))
             return self
         except BaseException:
             # Interrupted after acquiring, before the block is entered: its

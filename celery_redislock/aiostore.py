@@ -41,7 +41,15 @@ from celery_redislock import scripts
 from celery_redislock._clock import clock
 from celery_redislock.exceptions import ConfigurationError
 from celery_redislock.keys import fence_key, release_channel
-from celery_redislock.protocol import TAKE_OVER, after_set_nx_get, set_nx_get, unsupported
+from celery_redislock.protocol import (
+    TAKE_OVER,
+    ReleaseAttempts,
+    after_retry,
+    after_set_nx_get,
+    set_nx_get,
+    takes_keyword,
+    unsupported,
+)
 from celery_redislock.store import (
     RENEW_CHUNK_SIZE,
     AcquireResult,
@@ -540,22 +548,32 @@ class AsyncLockStore:
                     if not subscribed or dropped > _RESUBSCRIPTIONS:
                         raise
 
-    async def release(self, key: str, value: str, fenced: bool = False) -> ReleaseOutcome:
+    async def release(
+        self, key: str, value: str, fenced: bool = False, resent: bool = False
+    ) -> ReleaseOutcome:
         """Delete the lock if it still holds ``value`` exactly (and wake the waiters).
 
-        ``fenced``: the holder read a fence, whose counter is settled.
+        ``fenced``: the holder read a fence, whose counter is settled (True
+        from a caller that releases for another holder). ``resent``: sent
+        again after an exception cut off the same release's reply.
         """
         async with self._errors("release", key):
             # Passed only when set: an override of do_release(key, value) still works.
-            reply = await (
-                self.do_release(key, value, True) if fenced else self.do_release(key, value)
-            )
-            return ReleaseOutcome(reply)
+            flags = {name: True for name, on in (("fenced", fenced), ("resent", resent)) if on}
+            if resent and not takes_keyword(self.do_release, "resent"):
+                del flags["resent"]
+                return ReleaseOutcome(after_retry(key, await self.do_release(key, value, **flags)))
+            return ReleaseOutcome(await self.do_release(key, value, **flags))
 
-    async def extend(self, key: str, value: str, ttl_ms: int) -> RenewOutcome:
-        """Reset the lock's TTL to ``ttl_ms`` if it still holds ``value``."""
+    async def extend(self, key: str, value: str, ttl_ms: int, fenced: bool = False) -> RenewOutcome:
+        """Reset the lock's TTL to ``ttl_ms`` if it still holds ``value``.
+
+        ``fenced``: the holder read a fence; its counter is renewed with it.
+        """
         async with self._errors("extend", key):
-            return RenewOutcome(await self.do_extend(key, value, ttl_ms))
+            # Passed only when set: an override of do_extend(key, value, ttl_ms) still works.
+            flags = {"fenced": True} if fenced else {}
+            return RenewOutcome(await self.do_extend(key, value, ttl_ms, **flags))
 
     async def renew_many(self, items: Sequence[RenewItem]) -> list[RenewOutcome]:
         """Renew many locks in one pipelined round trip (the loop's renewer task only).
@@ -612,18 +630,21 @@ class AsyncLockStore:
 
         return await self.commands.run(run)
 
-    async def do_release(self, key: str, value: str, fenced: bool = False) -> int:
+    async def do_release(
+        self, key: str, value: str, fenced: bool = False, resent: bool = False
+    ) -> int:
         """Release as :meth:`LockStore.do_release` does; return its reply (1, 0 or -1).
 
-        If the first attempt's reply was lost, the retry's "already gone"
-        means it worked: reported as 1. If the release handed the key to a
-        task execution parked on it (a task's ``HandOff`` policy on the same
-        key name), this store cannot publish its message: a worker's sweep
-        hands the call the key again once the hand-over expires unused (as
-        with a sync store that has no publisher); reported as 1.
+        A lost reply (or ``resent``) makes the next attempt a retry, as
+        there (:class:`~celery_redislock.protocol.ReleaseAttempts`). If the
+        release handed the key to a task execution parked on it (a task's
+        ``HandOff`` policy on the same key name), this store cannot publish
+        its message: a worker's sweep hands the call the key again once the
+        hand-over expires unused (as with a sync store that has no
+        publisher); reported as 1.
         """
         encoding = self.releases.encoding
-        attempts = 0
+        attempts = ReleaseAttempts(key, resent)
 
         def full(retry: bool) -> Exchange[Any]:
             keys, args = release_call(
@@ -633,17 +654,22 @@ class AsyncLockStore:
 
         lean = None if fenced else script_exchange(scripts.RELEASE, (key,), (value,), encoding)
 
-        async def counted(connection: Any) -> Any:
-            nonlocal attempts
-            attempts += 1
-            if attempts > 1 or lean is None:
-                return await full(attempts > 1)(connection)
-            reply = await lean(connection)
-            if reply == 2:  # someone waits behind us: wake them
-                return await full(False)(connection)
+        async def attempt(connection: Any) -> Any:
+            retry = attempts.start()
+            try:
+                if retry or lean is None:
+                    reply = await full(retry)(connection)
+                else:
+                    reply = await lean(connection)
+                    if reply == 2:  # someone waits behind us: wake them
+                        reply = await full(False)(connection)
+            except ResponseError:
+                attempts.answered()  # a refusal: nothing ran
+                raise
+            attempts.answered()
             return reply
 
-        reply = await self.releases.run(counted)
+        reply = attempts.outcome(await self.releases.run(attempt))
         if isinstance(reply, list):
             logger.warning(
                 "lock %s was handed to a parked execution, but this process cannot publish "
@@ -651,11 +677,11 @@ class AsyncLockStore:
                 key,
             )
             return 1
-        return 1 if attempts > 1 and int(reply) == 0 else int(reply)
+        return int(reply)
 
-    async def do_extend(self, key: str, value: str, ttl_ms: int) -> int:
-        """Run ``RENEW_SCRIPT`` for one key; return its status (1, 0 or -1)."""
-        keys, args = renew_call(((key, value, ttl_ms),), self.fence_ttl_ms)
+    async def do_extend(self, key: str, value: str, ttl_ms: int, fenced: bool = False) -> int:
+        """Run ``RENEW_SCRIPT`` for one key (and its fence counter); return its status."""
+        keys, args = renew_call(((key, value, ttl_ms, fenced),), self.fence_ttl_ms)
         reply = await self.commands.run(
             script_exchange(scripts.RENEW, keys, args, self.commands.encoding)
         )

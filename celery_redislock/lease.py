@@ -233,7 +233,7 @@ class LockHandle:
             self.ttl_ms = max(int(self.ttl * 1000), 1)
             self.renew_period = self.ttl / 3
         sent_at = clock()
-        outcome = self.backend.extend(self.key, self.value, self.ttl_ms)
+        outcome = self.backend.extend(self.key, self.value, self.ttl_ms, self.fenced)
         if outcome is RenewOutcome.RENEWED:
             self.valid_until = self._validity_from(sent_at)
             self.renew_at = sent_at + self.renew_period
@@ -294,10 +294,12 @@ class LockHandle:
         resent, self._release_sent = self._release_sent, True
         try:
             if keep is None:
-                outcome = self.backend.release(self.key, self.value, fenced=self.fenced)
+                outcome = self.backend.release(
+                    self.key, self.value, fenced=self.fenced, resent=resent
+                )
             else:
                 outcome = self.backend.release(
-                    self.key, self.value, keep, max(int(keep_for * 1000), 1), self.fenced
+                    self.key, self.value, keep, max(int(keep_for * 1000), 1), self.fenced, resent
                 )
         except LockBackendError as exc:
             self._release_done = True
@@ -311,8 +313,6 @@ class LockHandle:
             )
             return None
         self._release_done = True
-        if resent and outcome is ReleaseOutcome.ALREADY_GONE:
-            outcome = ReleaseOutcome.RELEASED
         if outcome is ReleaseOutcome.NOT_OURS:
             logger.warning(
                 "lock %s of %s[%s] was no longer ours at release (held %.3fs); "

@@ -61,7 +61,15 @@ from celery_redislock.keys import (
     slot_keys,
 )
 from celery_redislock.keys import queued_key as queued_key_of
-from celery_redislock.protocol import TAKE_OVER, after_set_nx_get, set_nx_get, unsupported
+from celery_redislock.protocol import (
+    TAKE_OVER,
+    ReleaseAttempts,
+    after_retry,
+    after_set_nx_get,
+    set_nx_get,
+    takes_keyword,
+    unsupported,
+)
 from celery_redislock.tokens import LockValue, without_mark
 from celery_redislock.transport import (
     NO_RETRY,
@@ -166,10 +174,16 @@ class AcquireResult:
 
         A contended ``SET NX GET`` says who holds the key, not for how long:
         the first read asks the server (one round trip, a ``PTTL``), so a
-        caller that never needs it (the skip policy) never pays for it.
+        caller that never needs it (the skip policy) never pays for it. A
+        store gone by then leaves it unknown (``None``): the contention is
+        what the acquire found, and the caller's policy still applies.
         """
-        if self._ttl_of is not None:
-            self._ttl, self._ttl_of = self._ttl_of(), None
+        read, self._ttl_of = self._ttl_of, None
+        if read is not None:
+            try:
+                self._ttl = read()
+            except LockBackendError as exc:
+                logger.info("the holder's TTL is unknown: %s", exc)
         return self._ttl
 
     @property
@@ -631,7 +645,9 @@ class LockStore:
     def holder_ttl(self, key: str) -> float | None:
         """Seconds left on ``key``'s lock (``None``: gone, or no expiry). One round trip."""
         with self._errors("inspect", key):
-            pttl = int(self._topology(_Kind.COMMANDS).endpoint_for(key).call("PTTL", key))
+            pttl = int(
+                self._topology(_Kind.COMMANDS).run_for_key(key, _command_runner("PTTL", key))
+            )
         return pttl / 1000.0 if pttl >= 0 else None
 
     def fence(self, key: str, value: str) -> int | None:
@@ -917,7 +933,13 @@ class LockStore:
                 sub.wait(remaining)
 
     def release(
-        self, key: str, value: str, keep: str = "", keep_ms: int = 0, fenced: bool = False
+        self,
+        key: str,
+        value: str,
+        keep: str = "",
+        keep_ms: int = 0,
+        fenced: bool = False,
+        resent: bool = False,
     ) -> ReleaseOutcome:
         """Delete the lock if it still holds ``value`` exactly.
 
@@ -929,9 +951,15 @@ class LockStore:
                 stays as an idempotency window.
             keep_ms: Time to live of ``keep`` in milliseconds.
             fenced: The holder read a fence: the key's counter is settled
-                (kept only while ahead of the clock, or ``fence_ttl``).
+                (kept only while ahead of the clock, or ``fence_ttl``). A
+                caller that releases for another holder (an operator, a
+                take-back) passes True: it cannot know.
+            resent: Sent again after an exception cut off the reply of the
+                same release: it runs as a retry (it publishes a hand-over
+                the first made, and reports a key found gone or retaken as
+                released).
         """
-        return self._release(key, value, "exact", keep, keep_ms, fenced)
+        return self._release(key, value, "exact", keep, keep_ms, fenced, resent)
 
     def release_owner(
         self, key: str, owner_prefix: str, keep: str = "", keep_ms: int = 0
@@ -1030,15 +1058,24 @@ class LockStore:
         return ReleaseOutcome(max(min(reply, 1), -1))
 
     def _release(
-        self, key: str, match: str, mode: str, keep: str, keep_ms: int, fenced: bool = False
+        self,
+        key: str,
+        match: str,
+        mode: str,
+        keep: str,
+        keep_ms: int,
+        fenced: bool = False,
+        resent: bool = False,
     ) -> ReleaseOutcome:
+        # Passed only when set: an override of do_release(key, match, mode,
+        # keep, keep_ms) still works.
+        flags = {name: True for name, on in (("settle", fenced), ("resent", resent)) if on}
+        if resent and not takes_keyword(self.do_release, "resent"):
+            del flags["resent"]
         try:
-            # Passed only when set: an override of do_release(key, match, mode,
-            # keep, keep_ms) still works.
-            if fenced:
-                reply = self.do_release(key, match, mode, keep, keep_ms, fenced)
-            else:
-                reply = self.do_release(key, match, mode, keep, keep_ms)
+            reply = self.do_release(key, match, mode, keep, keep_ms, **flags)
+            if resent and "resent" not in flags:
+                reply = after_retry(key, reply)
         except RedisError as exc:
             raise backend_error(exc, "release", key, self.describe()) from exc
         if isinstance(reply, list):
@@ -1075,10 +1112,15 @@ class LockStore:
                 key,
             )
 
-    def extend(self, key: str, value: str, ttl_ms: int) -> RenewOutcome:
-        """Reset the lock's TTL to ``ttl_ms`` if it still holds ``value``."""
+    def extend(self, key: str, value: str, ttl_ms: int, fenced: bool = False) -> RenewOutcome:
+        """Reset the lock's TTL to ``ttl_ms`` if it still holds ``value``.
+
+        ``fenced``: the holder read a fence; its counter is renewed with it.
+        """
         with self._errors("extend", key):
-            return RenewOutcome(self.do_extend(key, value, ttl_ms))
+            # Passed only when set: an override of do_extend(key, value, ttl_ms) still works.
+            flags = {"fenced": True} if fenced else {}
+            return RenewOutcome(self.do_extend(key, value, ttl_ms, **flags))
 
     def renew_many(self, items: Sequence[RenewItem]) -> list[RenewOutcome]:
         """Renew many locks: one pipelined round trip per node.
@@ -1276,31 +1318,29 @@ class LockStore:
 
         On the releases' connections (short timeout, one retry), as
         :meth:`do_release`. If the first attempt's reply was lost, the
-        retry's "no match" cannot tell; it is reported as released (1)
-        when a slot is free, as :meth:`do_release` does.
+        retry's "no match" cannot tell: it is reported as released (1), as
+        :meth:`do_release` does.
         """
         waiters, parked, _ = handoff_keys(key)
         keys = (*slot_keys(key, limit), waiters, parked, fence_key(key))
         args = (match, mode, release_channel(key), self.handoff_ttl_ms, self.fence_ttl_ms)
-        attempts = 0
+        attempts = ReleaseAttempts(key)
 
         def make(endpoint: Endpoint) -> Callable[[Any], Any]:
             run_script = park_scripts.RELEASE_SLOTS.exchange(keys, args, endpoint.encoding)
+            return lambda connection: _attempt(attempts, connection, lambda _retry: run_script)
 
-            def counted(connection: Any) -> Any:
-                nonlocal attempts
-                attempts += 1
-                return run_script(connection)
-
-            return counted
-
-        reply = self._topology(_Kind.RELEASES).run_for_key(key, make)
-        if isinstance(reply, list):
-            return reply
-        return 1 if attempts > 1 and int(reply) == 0 else int(reply)
+        return attempts.outcome(self._topology(_Kind.RELEASES).run_for_key(key, make))
 
     def do_release(
-        self, key: str, match: str, mode: str, keep: str, keep_ms: int, settle: bool = False
+        self,
+        key: str,
+        match: str,
+        mode: str,
+        keep: str,
+        keep_ms: int,
+        settle: bool = False,
+        resent: bool = False,
     ) -> Any:
         """Release: ``RELEASE_SCRIPT``, or ``RELEASE_FULL_SCRIPT``; return the reply.
 
@@ -1313,47 +1353,43 @@ class LockStore:
 
         Releases have connections of their own (short timeout, one retry), so
         a frozen Redis delays a finishing task by at most two short attempts;
-        the TTL frees the key if both fail. If the first attempt's reply was
-        lost, the retry's "already gone" means it worked: reported as 1;
-        and if it finds the key handed to a parked call that has not
-        started, the hand-over was most likely the lost reply's: its
-        message is returned, to be published.
+        the TTL frees the key if both fail. An attempt whose reply was lost
+        (or ``resent``: the caller sends the release again after an exception
+        cut off the first one's reply) is followed by a retry: see
+        :class:`~celery_redislock.protocol.ReleaseAttempts`.
 
         Returns:
             1, 0, -1, or ``[1, hand-off value, message]`` (see
             ``RELEASE_FULL_SCRIPT``).
         """
         lean = mode == "exact" and not keep and not settle
-        attempts = 0
-
-        def full(encoding: str, retry: bool) -> Callable[[Any], Any]:
-            keys, args = release_call(
-                key, match, mode, keep, keep_ms, self.handoff_ttl_ms, self.fence_ttl_ms, retry
-            )
-            return scripts.RELEASE_FULL.exchange(keys, args, encoding)
+        attempts = ReleaseAttempts(key, resent)
 
         def make(endpoint: Endpoint) -> Callable[[Any], Any]:
             encoding = endpoint.encoding
             first = scripts.RELEASE.exchange((key,), (match,), encoding) if lean else None
 
-            def counted(connection: Any) -> Any:
-                nonlocal attempts
-                attempts += 1
-                if attempts > 1:
-                    return full(encoding, True)(connection)
-                if first is None:
-                    return full(encoding, False)(connection)
-                reply = first(connection)
-                if reply == 2:  # someone waits behind us: hand over, wake them
-                    return full(encoding, False)(connection)
-                return reply
+            def full(retry: bool) -> Callable[[Any], Any]:
+                keys, args = release_call(
+                    key, match, mode, keep, keep_ms, self.handoff_ttl_ms, self.fence_ttl_ms, retry
+                )
+                return scripts.RELEASE_FULL.exchange(keys, args, encoding)
 
-            return counted
+            def script(retry: bool) -> Callable[[Any], Any]:
+                if retry or first is None:
+                    return full(retry)
 
-        reply = self._topology(_Kind.RELEASES).run_for_key(key, make)
-        if isinstance(reply, list):
-            return reply
-        return 1 if attempts > 1 and int(reply) == 0 else int(reply)
+                def lean_first(connection: Any) -> Any:
+                    reply = first(connection)
+                    if reply == 2:  # someone waits behind us: hand over, wake them
+                        return full(False)(connection)
+                    return reply
+
+                return lean_first
+
+            return lambda connection: _attempt(attempts, connection, script)
+
+        return attempts.outcome(self._topology(_Kind.RELEASES).run_for_key(key, make))
 
     def do_script(self, script: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
         """Run one of the other scripts (debounce) over the commands' connections."""
@@ -1430,9 +1466,9 @@ class LockStore:
         calls = [c for c in (before, call, after) if c is not None]
         return self.run_scripts(calls)[0 if before is None else 1]
 
-    def do_extend(self, key: str, value: str, ttl_ms: int) -> int:
-        """Run ``RENEW_SCRIPT`` for one key; return its status (1, 0 or -1)."""
-        keys, args = renew_call(((key, value, ttl_ms),), self.fence_ttl_ms)
+    def do_extend(self, key: str, value: str, ttl_ms: int, fenced: bool = False) -> int:
+        """Run ``RENEW_SCRIPT`` for one key (and its fence counter); return its status."""
+        keys, args = renew_call(((key, value, ttl_ms, fenced),), self.fence_ttl_ms)
         reply = self._topology(_Kind.COMMANDS).run_for_key(
             key, lambda endpoint: scripts.RENEW.exchange(keys, args, endpoint.encoding)
         )
@@ -1475,6 +1511,37 @@ def _script_runner(call: ScriptCall) -> Callable[[Endpoint], Callable[[Any], Any
     """``make_exchange`` for :meth:`Topology.run_for_key`: run one script call."""
     script, keys, args = call
     return lambda endpoint: script.exchange(keys, args, endpoint.encoding)
+
+
+def _attempt(
+    attempts: ReleaseAttempts, connection: Any, script: Callable[[bool], Callable[[Any], Any]]
+) -> Any:
+    """Run one release attempt on ``connection``: ``script(retry)`` picks its exchange."""
+    exchange = script(attempts.start())
+    try:
+        reply = exchange(connection)
+    except ResponseError:
+        attempts.answered()  # a redirection or a refusal: nothing ran
+        raise
+    attempts.answered()
+    return reply
+
+
+def _command_runner(*command: Any) -> Callable[[Endpoint], Callable[[Any], Any]]:
+    """``make_exchange`` for :meth:`Topology.run_for_key`: send one command, raise its error."""
+
+    def make(endpoint: Endpoint) -> Callable[[Any], Any]:
+        packed = pack_command(command, endpoint.encoding)
+
+        def run(connection: Any) -> Any:
+            (reply,) = send_and_read(connection, packed, 1)
+            if isinstance(reply, ResponseError):
+                raise reply
+            return reply
+
+        return run
+
+    return make
 
 
 def _then_wait(

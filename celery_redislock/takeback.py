@@ -161,7 +161,8 @@ def take_back_value(
             if limit > 1:
                 outcome = backend.release_slot_of(key, limit, value)
             else:
-                outcome = backend.release(key, value)
+                # fenced: settle the counter, in case the holder read a fence.
+                outcome = backend.release(key, value, fenced=True)
         except LockBackendError as exc:
             logger.debug("taking back lock %s: %s; trying again later", key, exc)
             return False

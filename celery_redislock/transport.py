@@ -36,6 +36,7 @@ import functools
 import hashlib
 import os
 import socket
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -52,6 +53,7 @@ from redis.exceptions import (
     ReadOnlyError,
     ResponseError,
     TimeoutError,
+    TryAgainError,
 )
 from redis.retry import Retry
 
@@ -247,6 +249,10 @@ def send_and_read(connection: Any, packed: bytes, replies: int) -> list[Any]:
         # current master only there.
         connection.connect()
         sock = connection._sock
+    if connection.__dict__.get(_ASKING_FLAG):
+        # Redirected by ASK: ``ASKING`` lets only the next command use the
+        # importing slot, so it goes before every write of the exchange.
+        packed, replies = _ASKING + packed, replies + 1
     try:
         if type(sock) is _PLAIN_SOCKET:
             _write(sock, packed)
@@ -260,7 +266,7 @@ def send_and_read(connection: Any, packed: bytes, replies: int) -> list[Any]:
     for reply in out:
         if isinstance(reply, (ConnectionError, ReadOnlyError)):
             _raise_connection_errors(connection, reply)
-    return out
+    return out[1:] if connection.__dict__.get(_ASKING_FLAG) else out
 
 
 def _write(sock: Any, packed: bytes) -> None:
@@ -630,8 +636,10 @@ class ClusterTopology(Topology):
     on the node it names.
     """
 
-    #: Redirections followed before giving up.
+    #: Redirections (and ``TRYAGAIN`` replies) followed before giving up.
     MAX_REDIRECTS = 5
+    #: Seconds to wait after a ``TRYAGAIN`` reply (a slot migration in progress).
+    TRY_AGAIN_DELAY = 0.1
 
     def __init__(self, nodes_manager: Any, make_endpoint: Callable[[Any], Endpoint]) -> None:
         self._nodes = nodes_manager
@@ -672,10 +680,14 @@ class ClusterTopology(Topology):
             endpoint = asking or self.endpoint_for(key)
             exchange = make_exchange(endpoint)
             if asking is not None:
-                exchange = _after_asking(exchange, endpoint.encoding)
+                exchange = _after_asking(exchange)
 
             try:
                 return endpoint.run(exchange)
+            except TryAgainError:
+                # A script whose keys are split by a slot migration: wait for it
+                # (redis-py's cluster client waits likewise), within the bound.
+                time.sleep(self.TRY_AGAIN_DELAY)
             except MovedError:
                 asking = None
                 self.refresh()
@@ -704,13 +716,25 @@ class ClusterTopology(Topology):
             endpoint.close()
 
 
-def _after_asking(exchange: Callable[[Any], T], encoding: str) -> Callable[[Any], T]:
-    """The exchange preceded by ``ASKING`` (the next command may use an importing slot)."""
-    asking = pack_command(("ASKING",), encoding)
+#: ``ASKING``, as sent before each command of an exchange redirected by ASK.
+_ASKING = b"*1\r\n$6\r\nASKING\r\n"
+#: Set on a connection (in its ``__dict__``) while an ASK-redirected exchange runs on it.
+_ASKING_FLAG = "_redislock_asking"
+
+
+def _after_asking(exchange: Callable[[Any], T]) -> Callable[[Any], T]:
+    """The exchange with ``ASKING`` before each of its commands (see :func:`send_and_read`).
+
+    ``ASKING`` lets one command use a slot being imported: a take-over (``SET
+    NX GET``, then the script) or a release that hands over sends two.
+    """
 
     def run(connection: Any) -> T:
-        send_and_read(connection, asking, 1)
-        return exchange(connection)
+        connection.__dict__[_ASKING_FLAG] = True
+        try:
+            return exchange(connection)
+        finally:
+            connection.__dict__.pop(_ASKING_FLAG, None)
 
     return run
 

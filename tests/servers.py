@@ -456,8 +456,10 @@ class FaultProxy:
     ``latency`` delays every chunk in both directions; ``blackhole()`` keeps
     connections open but forwards nothing (a partition); ``heal()`` undoes
     both. ``lose_replies = n`` drops the next ``n`` chunks the server sends
-    (a command that ran, whose reply never arrives). New connections are
-    accepted in every mode.
+    (a command that ran, whose reply never arrives). ``cut_at = b"PTTL"``
+    blackholes from the first chunk a client sends that holds those bytes
+    (that chunk included): a partition that starts at an exact command. New
+    connections are accepted in every mode.
     """
 
     def __init__(self, target_port: int) -> None:
@@ -466,6 +468,7 @@ class FaultProxy:
         self.target_port = target_port
         self.latency = 0.0
         self.lose_replies = 0
+        self.cut_at: bytes | None = None
         self.blackholed = threading.Event()
         #: Chunks read while blackholed and not yet passed on.
         self.held = 0
@@ -524,6 +527,10 @@ class FaultProxy:
                 with contextlib.suppress(OSError):
                     sink.shutdown(socket.SHUT_WR)
                 return
+            cut_at = self.cut_at
+            if not replies and cut_at is not None and cut_at in data:
+                self.cut_at = None
+                self.blackholed.set()
             if self.blackholed.is_set():
                 with self._held_lock:
                     self.held += 1

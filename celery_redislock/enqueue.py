@@ -27,6 +27,7 @@ from celery_redislock.headers import (
     HANDOFF_HEADER,
     QUEUED_TOKEN_HEADER,
     UNSETTLED_HEADER,
+    as_received,
     seconds_until,
 )
 from celery_redislock.keys import queued_key
@@ -37,7 +38,7 @@ from celery_redislock.tokens import LockValue
 
 if TYPE_CHECKING:
     from celery_redislock.settings import TaskSettings
-    from celery_redislock.task import SingletonTaskMixin
+    from celery_redislock.task_shape import LockedTask
 
 __all__ = ["publish_once"]
 
@@ -66,7 +67,7 @@ def _producer_store(settings: TaskSettings) -> LockStore:
 
 
 def publish_once(
-    task: SingletonTaskMixin,
+    task: LockedTask,
     publish: Publish,
     args: Sequence[Any] | None,
     kwargs: dict[str, Any] | None,
@@ -82,7 +83,7 @@ def publish_once(
     members and tasks carrying callbacks are always published; their run is
     still protected by the worker-side lock.
     """
-    settings = task._lock_settings()
+    settings = task.lock_settings()
     if (
         not (settings.enabled and (settings.enqueue or settings.debounce))
         or task.app.conf.task_always_eager
@@ -91,8 +92,8 @@ def publish_once(
     ):
         return publish(None if args is None else tuple(args), kwargs, **options)
     args, kwargs = tuple(args or ()), dict(kwargs or {})
-    received = task._as_received(args, kwargs, options.get("serializer") or task.serializer)
-    key = task._key(settings, *received)
+    received = as_received(args, kwargs, options.get("serializer") or task.serializer, task.name)
+    key = task.lock_key_for_received(*received, settings)
     if settings.debounce:
         return _publish_debounced(task, settings, publish, key, args, kwargs, options)
     task_id = options.pop("task_id", None) or uuid()
@@ -159,7 +160,7 @@ def publish_once(
 
 
 def stored_message(
-    task: SingletonTaskMixin,
+    task: LockedTask,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     task_id: str,
@@ -232,7 +233,7 @@ def _grace(settings: TaskSettings) -> float:
 
 
 def _queue_run(
-    task: SingletonTaskMixin,
+    task: LockedTask,
     settings: TaskSettings,
     key: str,
     task_id: str,
@@ -261,7 +262,7 @@ def _queue_run(
 
 
 def _publish_debounced(
-    task: SingletonTaskMixin,
+    task: LockedTask,
     settings: TaskSettings,
     publish: Publish,
     key: str,
@@ -344,7 +345,7 @@ def _publish_debounced(
 
 
 def _duplicate(
-    task: SingletonTaskMixin,
+    task: LockedTask,
     settings: TaskSettings,
     key: str,
     task_id: str,

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 
 from celery.utils import uuid
 
-from celery_redislock import signals
 from celery_redislock.brokers import whole_second_delays, whole_seconds
 from celery_redislock.exceptions import AlreadyQueued, LockBackendError
 from celery_redislock.handoff import app_pending, pack_signature
@@ -32,6 +31,7 @@ from celery_redislock.headers import (
 )
 from celery_redislock.keys import queued_key
 from celery_redislock.pending import Member
+from celery_redislock.resend import signal_contention
 from celery_redislock.store import AcquireResult, LockStore
 from celery_redislock.takeback import take_back_value
 from celery_redislock.tokens import LockValue
@@ -320,15 +320,7 @@ def _publish_debounced(
         raise
     if not new:
         logger.debug("%s[%s] joins the debounced run %s of %s", task.name, task_id, burst_id, key)
-        signals.lock_contended.send(
-            sender=task,
-            key=key,
-            task_name=task.name,
-            task_id=task_id,
-            holder_task_id=burst_id,
-            ttl_remaining=due,
-            policy="debounced",
-        )
+        signal_contention(task, key, task_id, burst_id, due, "debounced")
         return task.AsyncResult(burst_id)
     headers = {**(options.pop("headers", None) or {}), DEBOUNCE_HEADER: True}
     countdown = max(due, seconds_until(options.pop("eta", None) or options.pop("countdown", None)))
@@ -354,15 +346,7 @@ def _duplicate(
     """Not published: the holder's result, or :class:`AlreadyQueued`."""
     holder = result.holder_task_id
     logger.info("%s[%s] not published: %s already holds lock %s", task.name, task_id, holder, key)
-    signals.lock_contended.send(
-        sender=task,
-        key=key,
-        task_name=task.name,
-        task_id=task_id,
-        holder_task_id=holder,
-        ttl_remaining=result.known_ttl,
-        policy="deduplicated",
-    )
+    signal_contention(task, key, task_id, holder, result.known_ttl, "deduplicated")
     if settings.enqueue_raise or holder is None:
         raise AlreadyQueued(key, holder, result.ttl_remaining)
     return task.AsyncResult(holder)

@@ -44,7 +44,12 @@ from celery_redislock.policies import (
     RetryWhileOwnDeliveryHolds,
     uses_handoff,
 )
-from celery_redislock.resend import on_backend_error, resend, send_contention_event
+from celery_redislock.resend import (
+    on_backend_error,
+    resend,
+    send_contention_event,
+    signal_contention,
+)
 from celery_redislock.store import AcquireResult
 from celery_redislock.takeback import take_back_value
 from celery_redislock.tokens import LockValue
@@ -242,15 +247,8 @@ class Execution(ParkingAttempt):
 
     def _contended(self, result: AcquireResult, policy: str) -> None:
         task = self.task
-        signals.lock_contended.send(
-            sender=task,
-            key=self.key,
-            task_name=task.name,
-            task_id=self.request.id,
-            holder_task_id=result.holder_task_id,
-            ttl_remaining=result.known_ttl,
-            policy=policy,
-        )
+        holder = result.holder_task_id
+        signal_contention(task, self.key, self.request.id, holder, result.known_ttl, policy)
         send_contention_event(task, self.key, result.holder_task_id, policy)
 
     def _grant(self, result: AcquireResult, started: float) -> None:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, cast
 from celery.exceptions import Reject
 from celery.exceptions import Retry as CeleryRetry
 
+from celery_redislock import signals
 from celery_redislock.brokers import publisher_headers, routable_countdown
 from celery_redislock.exceptions import LockBackendError
 from celery_redislock.handoff import app_pending, pack_signature
@@ -42,6 +43,7 @@ __all__ = [
     "resend",
     "resend_headers",
     "send_contention_event",
+    "signal_contention",
 ]
 
 # The documented logger name: this was part of task.py.
@@ -49,6 +51,21 @@ logger = logging.getLogger("celery_redislock.task")
 
 #: Task event sent on contention when task events are on (Flower shows it).
 CONTENTION_EVENT = "task-redislock-contended"
+
+
+def signal_contention(
+    task: LockedTask, key: str, task_id: str | None, holder: str | None, ttl: Any, policy: str
+) -> None:
+    """Send :data:`~celery_redislock.signals.lock_contended` for a call of ``task``."""
+    signals.lock_contended.send(
+        sender=task,
+        key=key,
+        task_name=task.name,
+        task_id=task_id,
+        holder_task_id=holder,
+        ttl_remaining=ttl,
+        policy=policy,
+    )
 
 
 def send_contention_event(task: LockedTask, key: str, holder: str | None, policy: str) -> None:
@@ -109,26 +126,20 @@ def on_backend_error(
         )
         raise exc
     countdown = backend_error_countdown(attempts)
-    if request.is_eager:
-        logger.warning(
-            "%s[%s] retries at once (eager mode runs a retry immediately; "
-            "lock store error %d of %d): %s",
-            task.name,
-            request.id,
-            attempts + 1,
-            limit,
-            exc,
-        )
-    else:
-        logger.warning(
-            "%s[%s] will retry in %.1fs (lock store error %d of %d): %s",
-            task.name,
-            request.id,
-            countdown,
-            attempts + 1,
-            limit,
-            exc,
-        )
+    retry = (
+        "retries at once (eager mode runs a retry immediately; "
+        if request.is_eager
+        else f"will retry in {countdown:.1f}s ("
+    )
+    logger.warning(
+        "%s[%s] %slock store error %d of %d): %s",
+        task.name,
+        request.id,
+        retry,
+        attempts + 1,
+        limit,
+        exc,
+    )
     values = [*own_values(request, headers.get(UNSETTLED_HEADER)), unsettled]
     resend(
         task,

@@ -56,7 +56,7 @@ CONTENTION_EVENT = "task-redislock-contended"
 def signal_contention(
     task: LockedTask, key: str, task_id: str | None, holder: str | None, ttl: Any, policy: str
 ) -> None:
-    """Send :data:`~celery_redislock.signals.lock_contended` for a call of ``task``."""
+    """Send the ``lock_contended`` signal for a call of ``task``."""
     signals.lock_contended.send(
         sender=task,
         key=key,

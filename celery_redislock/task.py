@@ -98,7 +98,7 @@ class SingletonTaskMixin(_TaskBase):
     Attributes set on the class or as ``@app.task(...)`` options; ``None``
     inherits the app setting of the same meaning. Besides the two below,
     each ``lock_*`` attribute is the task's spelling of an app setting,
-    documented once in :data:`~celery_redislock.settings.SETTINGS` (the
+    documented once in ``settings.SETTINGS`` (the
     README's Configuration table): ``lock_ttl``, ``lock_on_contention``,
     ``lock_enqueue``, ``lock_debounce``, ``lock_limit`` and the rest.
 

@@ -98,9 +98,9 @@ class SingletonTaskMixin(_TaskBase):
     Attributes set on the class or as ``@app.task(...)`` options; ``None``
     inherits the app setting of the same meaning. Besides the two below,
     each ``lock_*`` attribute is the task's spelling of an app setting,
-    documented once in ``settings.SETTINGS`` (the
-    README's Configuration table): ``lock_ttl``, ``lock_on_contention``,
-    ``lock_enqueue``, ``lock_debounce``, ``lock_limit`` and the rest.
+    documented once in ``settings.SETTINGS`` (the README's Configuration
+    table): ``lock_ttl``, ``lock_on_contention``, ``lock_enqueue``,
+    ``lock_debounce``, ``lock_limit`` and the rest.
 
     Attributes:
         lock_args: Names of the ``run`` parameters that make up the key;

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 
 from celery.utils import uuid
 
-from celery_redislock import signals
 from celery_redislock.brokers import whole_second_delays, whole_seconds
 from celery_redislock.exceptions import AlreadyQueued, LockBackendError
 from celery_redislock.handoff import app_pending, pack_signature
@@ -27,17 +26,19 @@ from celery_redislock.headers import (
     HANDOFF_HEADER,
     QUEUED_TOKEN_HEADER,
     UNSETTLED_HEADER,
+    as_received,
     seconds_until,
 )
 from celery_redislock.keys import queued_key
 from celery_redislock.pending import Member
+from celery_redislock.resend import signal_contention
 from celery_redislock.store import AcquireResult, LockStore
 from celery_redislock.takeback import take_back_value
 from celery_redislock.tokens import LockValue
 
 if TYPE_CHECKING:
     from celery_redislock.settings import TaskSettings
-    from celery_redislock.task import SingletonTaskMixin
+    from celery_redislock.task_shape import LockedTask
 
 __all__ = ["publish_once"]
 
@@ -66,7 +67,7 @@ def _producer_store(settings: TaskSettings) -> LockStore:
 
 
 def publish_once(
-    task: SingletonTaskMixin,
+    task: LockedTask,
     publish: Publish,
     args: Sequence[Any] | None,
     kwargs: dict[str, Any] | None,
@@ -82,7 +83,7 @@ def publish_once(
     members and tasks carrying callbacks are always published; their run is
     still protected by the worker-side lock.
     """
-    settings = task._lock_settings()
+    settings = task.lock_settings()
     if (
         not (settings.enabled and (settings.enqueue or settings.debounce))
         or task.app.conf.task_always_eager
@@ -91,8 +92,8 @@ def publish_once(
     ):
         return publish(None if args is None else tuple(args), kwargs, **options)
     args, kwargs = tuple(args or ()), dict(kwargs or {})
-    received = task._as_received(args, kwargs, options.get("serializer") or task.serializer)
-    key = task._key(settings, *received)
+    received = as_received(args, kwargs, options.get("serializer") or task.serializer, task.name)
+    key = task.lock_key_for_received(*received, settings)
     if settings.debounce:
         return _publish_debounced(task, settings, publish, key, args, kwargs, options)
     task_id = options.pop("task_id", None) or uuid()
@@ -159,7 +160,7 @@ def publish_once(
 
 
 def stored_message(
-    task: SingletonTaskMixin,
+    task: LockedTask,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     task_id: str,
@@ -232,7 +233,7 @@ def _grace(settings: TaskSettings) -> float:
 
 
 def _queue_run(
-    task: SingletonTaskMixin,
+    task: LockedTask,
     settings: TaskSettings,
     key: str,
     task_id: str,
@@ -261,7 +262,7 @@ def _queue_run(
 
 
 def _publish_debounced(
-    task: SingletonTaskMixin,
+    task: LockedTask,
     settings: TaskSettings,
     publish: Publish,
     key: str,
@@ -319,15 +320,7 @@ def _publish_debounced(
         raise
     if not new:
         logger.debug("%s[%s] joins the debounced run %s of %s", task.name, task_id, burst_id, key)
-        signals.lock_contended.send(
-            sender=task,
-            key=key,
-            task_name=task.name,
-            task_id=task_id,
-            holder_task_id=burst_id,
-            ttl_remaining=due,
-            policy="debounced",
-        )
+        signal_contention(task, key, task_id, burst_id, due, "debounced")
         return task.AsyncResult(burst_id)
     headers = {**(options.pop("headers", None) or {}), DEBOUNCE_HEADER: True}
     countdown = max(due, seconds_until(options.pop("eta", None) or options.pop("countdown", None)))
@@ -344,7 +337,7 @@ def _publish_debounced(
 
 
 def _duplicate(
-    task: SingletonTaskMixin,
+    task: LockedTask,
     settings: TaskSettings,
     key: str,
     task_id: str,
@@ -353,15 +346,7 @@ def _duplicate(
     """Not published: the holder's result, or :class:`AlreadyQueued`."""
     holder = result.holder_task_id
     logger.info("%s[%s] not published: %s already holds lock %s", task.name, task_id, holder, key)
-    signals.lock_contended.send(
-        sender=task,
-        key=key,
-        task_name=task.name,
-        task_id=task_id,
-        holder_task_id=holder,
-        ttl_remaining=result.known_ttl,
-        policy="deduplicated",
-    )
+    signal_contention(task, key, task_id, holder, result.known_ttl, "deduplicated")
     if settings.enqueue_raise or holder is None:
         raise AlreadyQueued(key, holder, result.ttl_remaining)
     return task.AsyncResult(holder)

@@ -28,7 +28,7 @@ import json
 import logging
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kombu.serialization import dumps as kombu_dumps
 from kombu.serialization import loads as kombu_loads
@@ -42,9 +42,9 @@ if TYPE_CHECKING:
     from celery.canvas import Signature
 
     from celery_redislock.store import LockStore
-    from celery_redislock.task import SingletonTaskMixin
 
 __all__ = [
+    "ResendableTask",
     "app_pending",
     "marker_ttl_ms",
     "pack_message",
@@ -57,7 +57,22 @@ __all__ = [
 logger = logging.getLogger("celery_redislock.handoff")
 
 
-def pack_message(task: SingletonTaskMixin, headers: dict[str, Any]) -> bytes:
+class ResendableTask(Protocol):
+    """What :func:`pack_message` uses of a task: its current request, and how to copy it."""
+
+    @property
+    def request(self) -> Any:
+        """The running execution's Celery request."""
+
+    @property
+    def serializer(self) -> str | None:
+        """The task's serializer."""
+
+    def signature_from_request(self, *args: Any, **kwargs: Any) -> Any:
+        """Celery's ``Task.signature_from_request``."""
+
+
+def pack_message(task: ResendableTask, headers: dict[str, Any]) -> bytes:
     """Return the message that re-runs the current request now, with ``headers``.
 
     Same task id, arguments, routing and options as the request; ``retries``

@@ -38,6 +38,7 @@ __all__ = [
     "own_values",
     "queued_token",
     "redelivered",
+    "request_header",
     "seconds_until",
 ]
 
@@ -69,6 +70,15 @@ DEBOUNCE_HEADER = "redislock_debounced"
 PARKED_SINCE_HEADER = "redislock_parked_since"
 
 
+def request_header(request: Any, name: str) -> Any:
+    """A custom header of ``request``, wherever Celery put it (None if absent).
+
+    Celery flattens custom headers into request attributes in a worker;
+    eager ``apply()`` keeps them in ``headers`` only.
+    """
+    return (request.headers or {}).get(name) or getattr(request, name, None)
+
+
 def redelivered(request: Any) -> bool:
     """This message was delivered before (or is the re-send of one that was)."""
     return bool(
@@ -79,10 +89,7 @@ def redelivered(request: Any) -> bool:
 
 def queued_token(request: Any) -> str | None:
     """The enqueue-time value a message carries, if it is this task's own."""
-    token = (request.headers or {}).get(QUEUED_TOKEN_HEADER) or getattr(
-        request, QUEUED_TOKEN_HEADER, None
-    )
-    own = own_values(request, [token])
+    own = own_values(request, [request_header(request, QUEUED_TOKEN_HEADER)])
     return own[0] if own else None
 
 

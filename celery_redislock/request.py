@@ -33,6 +33,7 @@ from celery_redislock.headers import (
     QUEUED_TOKEN_HEADER,
     own_values,
     queued_token,
+    request_header,
 )
 from celery_redislock.keys import queued_key
 from celery_redislock.settings import TaskSettings
@@ -164,7 +165,7 @@ class SingletonRequest(Request):
         task = self.task
         if not isinstance(task, SingletonTaskMixin):
             return None
-        settings = task._lock_settings()
+        settings = task.lock_settings()
         if not settings.enabled:
             return None
         owner = LockOwner(
@@ -173,7 +174,8 @@ class SingletonRequest(Request):
             self.hostname,
             int(self.worker_pid) if self.worker_pid else None,
         )
-        return _ChildLock(task, settings, task._key(settings, self.args, self.kwargs), owner)
+        key = task.lock_key_for_received(self.args, self.kwargs, settings)
+        return _ChildLock(task, settings, key, owner)
 
     def _wait_for_child_release(self, timeout: float) -> bool:
         """Wait for the signalled child's own ``finally`` to release its lock.
@@ -332,9 +334,9 @@ def release_queued_lock(
 
     ``args`` and ``kwargs`` are the message's, as the worker received them.
     """
-    settings = task._lock_settings()
+    settings = task.lock_settings()
     if settings.enabled:
-        key = task._key(settings, args, kwargs or {})
+        key = task.lock_key_for_received(args, kwargs or {}, settings)
         settings.backend.release(queued_key(key) if settings.coalesce else key, token)
 
 
@@ -345,9 +347,9 @@ def _forget_revoked_burst(task: SingletonTaskMixin, request: Any) -> None:
     record expires.
     """
     try:
-        settings = task._lock_settings()
+        settings = task.lock_settings()
         if settings.enabled and settings.debounce:
-            key = task._key(settings, request.args or (), request.kwargs or {})
+            key = task.lock_key_for_received(request.args or (), request.kwargs or {}, settings)
             settings.backend.debounce_due(key, request.id or "", forget=True)
     except Exception:
         logger.exception(
@@ -363,9 +365,9 @@ def _release_revoked_handoff(task: SingletonTaskMixin, request: Any, handoff: st
     TTL), and a lock already handed to it passes to the next parked call.
     """
     try:
-        settings = task._lock_settings()
+        settings = task.lock_settings()
         if settings.enabled:
-            key = task._key(settings, request.args or (), request.kwargs or {})
+            key = task.lock_key_for_received(request.args or (), request.kwargs or {}, settings)
             park_ttl_ms = marker_ttl_ms(task.app.conf, settings.enqueue_ttl, settings.ttl)
             settings.backend.withdraw(key, handoff, park_ttl_ms, settings.limit)
     except Exception:
@@ -383,7 +385,7 @@ def release_revoked_queued_lock(
     """
     if not isinstance(sender, SingletonTaskMixin) or request is None or terminated:
         return
-    if (request.headers or {}).get(DEBOUNCE_HEADER) or getattr(request, DEBOUNCE_HEADER, None):
+    if request_header(request, DEBOUNCE_HEADER):
         _forget_revoked_burst(sender, request)
     handoff = own_values(request, [(request.headers or {}).get(HANDOFF_HEADER)])
     if handoff:

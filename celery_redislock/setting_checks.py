@@ -8,7 +8,6 @@ get the closest known one ("did you mean ...?").
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Set
 from difflib import get_close_matches
 from typing import Any
 
@@ -119,25 +118,34 @@ def validate_app_settings(conf: Any) -> None:
     raise_for(resolve_settings(conf)[1])
 
 
-def validate_task_options(
-    cls: type, where: str, defined: Mapping[str, Any] | None = None, helpers: Set[str] = frozenset()
-) -> None:
+def validate_task_options(cls: type, where: str, base: type | None = None) -> None:
     """Check a task class's ``lock_*`` options when the class is made, not when it runs.
 
     Args:
         cls: The task class.
         where: ``"task <name>"``, the start of every message.
-        defined: The ``lock_*`` names the task's own classes define, with
-            their values: each must be an option (or one of ``helpers``).
-        helpers: ``lock_*`` names of the package's task classes that are not
-            options (``lock_key_for``), which a task may override.
+        base: The package's task class (``SingletonTaskMixin``). Each
+            ``lock_*`` name set by ``cls`` or a class between it and
+            ``base`` must be an option or one of ``base``'s helpers
+            (``lock_key_for``), which a task may override. A ``lock_*`` name
+            of another base is that base's business; ``@app.task(lock_tll=10)``
+            puts its options on the class Celery makes.
 
     Raises:
         ConfigurationError: a ``lock_*`` name is not an option (with the
             closest option), an option has a bad value (every one of those
             at once), or two options are set that do not go together.
     """
-    unknown = {name: value for name, value in (defined or {}).items() if name not in helpers}
+    unknown = {}
+    if base is not None:
+        helpers = {name for name in vars(base) if name.startswith("lock_")} - set(TASK_OPTIONS)
+        unknown = {
+            name: value
+            for klass in reversed(cls.__mro__)
+            if issubclass(klass, base) and klass is not base
+            for name, value in vars(klass).items()
+            if name.startswith("lock_") and name not in helpers
+        }
     errors = unknown_option_errors(unknown, TASK_OPTIONS)
     for spec in SETTINGS:
         if spec.task_attribute is None:

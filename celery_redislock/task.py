@@ -36,7 +36,7 @@ from celery_redislock._local import ExecutionStack
 from celery_redislock.command_line import stop_celery_command
 from celery_redislock.enqueue import publish_once
 from celery_redislock.exceptions import ConfigurationError
-from celery_redislock.execution import CONTENTION_EVENT, Execution
+from celery_redislock.execution import Execution
 from celery_redislock.headers import (
     BACKEND_RETRIES_HEADER,
     LOCK_RETRIES_HEADER,
@@ -54,13 +54,8 @@ from celery_redislock.keys import (
 )
 from celery_redislock.lease import LockHandle
 from celery_redislock.policies import ContentionPolicy
-from celery_redislock.settings import (
-    TASK_OPTIONS,
-    AppSettings,
-    TaskSettings,
-    app_settings,
-    validate_task_options,
-)
+from celery_redislock.resend import CONTENTION_EVENT
+from celery_redislock.settings import AppSettings, TaskSettings, app_settings, validate_task_options
 
 __all__ = [
     "BACKEND_RETRIES_HEADER",
@@ -101,51 +96,17 @@ class SingletonTaskMixin(_TaskBase):
     """Makes a Celery task a singleton per lock key; combine with any Task base.
 
     Attributes set on the class or as ``@app.task(...)`` options; ``None``
-    inherits the app setting of the same meaning (see the README).
+    inherits the app setting of the same meaning. Besides the two below,
+    each ``lock_*`` attribute is the task's spelling of an app setting,
+    documented once in ``settings.SETTINGS`` (the README's Configuration
+    table): ``lock_ttl``, ``lock_on_contention``, ``lock_enqueue``,
+    ``lock_debounce``, ``lock_limit`` and the rest.
 
     Attributes:
         lock_args: Names of the ``run`` parameters that make up the key;
             ``None`` uses all of them, ``()`` the task name alone.
         lock_key: ``callable(args, kwargs) -> str`` giving the key yourself;
             tasks returning the same string share one lock.
-        lock_ttl: Lock time to live in seconds (renewed every ``ttl/3``).
-        lock_on_contention: ``"skip"``, ``"retry"``, ``"raise"``, ``"wait"``
-            or a :class:`~celery_redislock.policies.ContentionPolicy`.
-        lock_on_backend_error: ``"fail"`` (do not run unprotected: retry with
-            backoff) or ``"run"`` (run without the lock, with a WARNING).
-        lock_enabled: False turns the lock off for this task.
-        lock_enqueue: Also take the lock in ``apply_async``/``delay``, before
-            publishing: a duplicate call is not published and gets the
-            holder's ``AsyncResult`` (or :class:`AlreadyQueued`). ``True``
-            (or ``"until_done"``) holds the key until the run ends;
-            ``"until_start"`` only until it starts (coalescing: one running,
-            at most one queued, and the queued run starts after the running
-            one released, never alongside it).
-        lock_enqueue_ttl: Seconds a queued (not yet started) task holds its
-            key; a countdown or ETA is added to it.
-        lock_enqueue_raise: A duplicate ``delay()`` raises
-            :class:`AlreadyQueued` instead of returning the holder's result.
-        lock_debounce: Trailing debounce window in seconds (0 = off): a burst
-            of calls for one key gives one run, started this long after the
-            burst's last call.
-        lock_debounce_max_wait: Longest delay from a burst's first call to
-            its run (default ten windows), so a burst that never ends runs.
-        lock_hold_after_success: Keep the key this many seconds after a
-            successful run, so a late duplicate is still deduplicated.
-        lock_beat_on_contention: Policy for runs sent by celery beat
-            (default ``"skip"``).
-        lock_on_lost: ``"report"`` (default: flag, signal, ERROR log) or
-            ``"abort"`` (also raise :class:`LockLost` inside the running body
-            where the pool allows it; see ``abort.py``).
-        lock_min_replicas: After taking the lock, wait (``WAIT``) until this
-            many replicas have it; if they do not within
-            ``lock_min_replicas_timeout`` seconds, release it and treat the
-            acquisition as a lock-store error (``lock_on_backend_error``).
-        lock_min_replicas_timeout: Longest wait for the replicas (default 1 s).
-        lock_limit: At most this many executions per key at once (default
-            1: a singleton). Each holder has a slot of its own, a lock
-            with every property of the single one; see the README's
-            "At most N per key".
     """
 
     lock_args: Sequence[str] | None = None
@@ -183,7 +144,7 @@ class SingletonTaskMixin(_TaskBase):
         cls._redislock_plain_names = None if signature is None else plain_parameter_names(signature)
         cls._redislock_held = ExecutionStack()
         try:
-            validate_task_options(cls, where, _lock_names(cls), _HELPERS)
+            validate_task_options(cls, where, SingletonTaskMixin)
             if cls.lock_args is not None and cls._redislock_signature is not None:
                 validate_lock_args(cls._redislock_signature, cls.lock_args, where)
         except ConfigurationError as exc:
@@ -212,19 +173,24 @@ class SingletonTaskMixin(_TaskBase):
         Raises:
             LockKeyError: the arguments cannot be serialized or keyed.
         """
-        settings = self._lock_settings()
-        args, kwargs = self._as_received(args, kwargs or {}, self.serializer)
-        return self._key(settings, args, kwargs)
+        settings = self.lock_settings()
+        args, kwargs = as_received(args, kwargs or {}, self.serializer, self.name)
+        return self.lock_key_for_received(args, kwargs, settings)
 
-    def _as_received(
-        self, args: Sequence[Any], kwargs: dict[str, Any], serializer: str | None
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """The arguments as a worker will receive them (see :func:`headers.as_received`)."""
-        return as_received(args, kwargs, serializer, self.name)
+    def lock_key_for_received(
+        self, args: Sequence[Any], kwargs: dict[str, Any], settings: TaskSettings | None = None
+    ) -> str:
+        """Return the lock key of a call whose arguments are as the worker receives them.
 
-    def _key(self, settings: TaskSettings, args: Sequence[Any], kwargs: dict[str, Any]) -> str:
-        """The key of a call whose arguments are as the worker receives them."""
-        prefix = settings.app.key_prefix
+        :meth:`lock_key_for` without the serializer round trip: for the
+        arguments of a message (``request.args``) or ones already taken
+        through it (:func:`~celery_redislock.headers.as_received`).
+        ``settings`` saves a look-up when the caller has them.
+
+        Raises:
+            LockKeyError: the arguments cannot be keyed.
+        """
+        prefix = (settings or self.lock_settings()).app.key_prefix
         key_function = type(self).lock_key
         if key_function is not None:
             return custom_key(prefix, key_function, args, kwargs or {}, self.name)
@@ -238,13 +204,22 @@ class SingletonTaskMixin(_TaskBase):
         )
         return task_key(prefix, self.name, arguments)
 
-    def _lock_settings(self) -> TaskSettings:
+    def lock_settings(self) -> TaskSettings:
+        """Return the task's effective settings: its ``lock_*`` attributes over the app's.
+
+        Read on first use and cached until the app's settings are read again.
+
+        Raises:
+            ConfigurationError: a setting has an unusable value.
+        """
         app = app_settings(self.app)
         cached = self._redislock_settings
         if cached is None or cached[0] is not app:
             cached = (app, TaskSettings.merge(self, app))
             self._redislock_settings = cached
         return cached[1]
+
+    _lock_settings = lock_settings  # the name the tests use
 
     # -- enqueue time ------------------------------------------------------------------
 
@@ -286,10 +261,10 @@ class SingletonTaskMixin(_TaskBase):
             # direct call: a plain function call in the execution that holds
             # the lock, with no lock of its own (see the README).
             return super().__call__(*args, **kwargs)
-        settings = self._lock_settings()
+        settings = self.lock_settings()
         if not settings.enabled:
             return super().__call__(*args, **kwargs)
-        execution = Execution(self, settings, args, kwargs)
+        execution = Execution(self, settings, args, kwargs, self._redislock_held)
         try:
             decision = execution.take_lock()
             if decision is not None:
@@ -317,29 +292,6 @@ class SingletonTaskMixin(_TaskBase):
         the loss is already logged, signalled and visible as
         ``self.lock.lost``.
         """
-
-
-#: ``lock_*`` names of the mixin that are not options (its helpers), which a task may override.
-_HELPERS = frozenset(
-    name for name in vars(SingletonTaskMixin) if name.startswith("lock_")
-) - frozenset(TASK_OPTIONS)
-
-
-def _lock_names(cls: type) -> dict[str, Any]:
-    """The ``lock_*`` names (with values) set by the task's classes, the mixin's left out.
-
-    Only the singleton classes' own: ``@app.task(lock_tll=10)`` puts its
-    options on the class Celery makes; a class statement puts its attributes
-    on itself. A ``lock_*`` name of another base (not a singleton task) is
-    that base's business.
-    """
-    return {
-        name: value
-        for klass in reversed(cls.__mro__)
-        if issubclass(klass, SingletonTaskMixin) and klass is not SingletonTaskMixin
-        for name, value in vars(klass).items()
-        if name.startswith("lock_")
-    }
 
 
 class SingletonTask(SingletonTaskMixin, _Task):

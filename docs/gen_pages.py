@@ -125,6 +125,10 @@ REFERENCE: dict[str, tuple[str, list[str]]] = {
         [
             "celery_redislock.enqueue",
             "celery_redislock.execution",
+            "celery_redislock.acquire",
+            "celery_redislock.parking",
+            "celery_redislock.resend",
+            "celery_redislock.task_shape",
             "celery_redislock.brokers",
             "celery_redislock.headers",
             "celery_redislock.keys",

@@ -1,9 +1,16 @@
-"""One job per module: no import circles, and the lower layers never import Celery.
+"""One job per module: small modules, no import circles, the lower layers never import Celery.
 
-The import graph is read from the source (``ast``), counting only imports
-that run when the module is imported: an import under ``if TYPE_CHECKING:``
-is for the type checker and runs never. A ``from celery_redislock import X``
+The import graph is read from the source (``ast``). The runtime graph
+counts only imports that run when the module is imported (an import under
+``if TYPE_CHECKING:`` runs never); the whole graph counts every import,
+type-only and function-level ones included, since a circle there is still
+two modules that each need the other. A ``from celery_redislock import X``
 where ``X`` is a submodule is an edge to that submodule.
+
+Sizes: no module over 450 lines, no class over 300, ``task.py`` at most
+300. Modules and classes over it when the rule came stand in ``OVER_LIMIT``
+and ``CLASSES_OVER_LIMIT`` with their size then: a ratchet, they may shrink
+but not grow, and leave the list once under the limit.
 """
 
 from __future__ import annotations
@@ -121,6 +128,178 @@ def test_the_lower_layers_never_import_celery() -> None:
         assert celery == [], f"{name} imports {celery}"
         upper = sorted(graph[name] - LOWER_LAYERS)
         assert upper == [], f"{name} imports the upper layers {upper}"
+
+
+#: Longest module, class and task module (lines, ``end_lineno - lineno + 1`` for a class).
+MODULE_LIMIT, CLASS_LIMIT, TASK_MODULE_LIMIT = 450, 300, 300
+
+#: Modules over ``MODULE_LIMIT`` (path in the package: lines). They may only shrink.
+OVER_LIMIT = {
+    "store.py": 1503,
+    "aiolock.py": 840,
+    "transport.py": 719,
+    "aiostore.py": 672,
+    "lock.py": 481,
+    "pending_scripts.py": 477,  # Lua scripts of the pending index
+}
+#: Classes over ``CLASS_LIMIT`` (``path:class``: lines). They may only shrink.
+CLASSES_OVER_LIMIT = {
+    "store.py:LockStore": 1145,
+    "lock.py:RedisLock": 399,
+    "aiolock.py:AsyncRedisLock": 385,
+}
+#: Import circles left as they are (none): each as the sorted modules in it.
+ALLOWED_CYCLES: set[tuple[str, ...]] = set()
+
+
+def module_sizes() -> dict[str, int]:
+    return {
+        path.relative_to(PACKAGE).as_posix(): len(path.read_text().splitlines())
+        for path in sorted(PACKAGE.rglob("*.py"))
+    }
+
+
+def class_sizes() -> dict[str, int]:
+    sizes = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.end_lineno is not None:
+                name = f"{path.relative_to(PACKAGE).as_posix()}:{node.name}"
+                sizes[name] = node.end_lineno - node.lineno + 1
+    return sizes
+
+
+def over_the_limit(sizes: dict[str, int], limit: int, ratchet: dict[str, int]) -> list[str]:
+    """What breaks the limit and is not listed, grew past its listed size, or left the list."""
+    found = []
+    for name, size in sizes.items():
+        listed = ratchet.get(name)
+        if size > limit and listed is None:
+            found.append(f"{name}: {size} lines, over {limit}")
+        elif listed is not None and size > listed:
+            found.append(f"{name}: grew to {size} lines from {listed} (listed over the limit)")
+        elif listed is not None and size <= limit:
+            found.append(f"{name}: {size} lines, under {limit} now: take it off the list")
+    found += [f"{name}: listed, but gone" for name in ratchet if name not in sizes]
+    return found
+
+
+def test_no_module_is_over_its_line_limit() -> None:
+    sizes = module_sizes()
+    assert over_the_limit(sizes, MODULE_LIMIT, OVER_LIMIT) == []
+    assert sizes["task.py"] <= TASK_MODULE_LIMIT, f"task.py has {sizes['task.py']} lines"
+
+
+def test_no_class_is_over_its_line_limit() -> None:
+    assert over_the_limit(class_sizes(), CLASS_LIMIT, CLASSES_OVER_LIMIT) == []
+
+
+def all_imports(path: Path) -> set[str]:
+    """Every module ``path`` names in an import: type-only and function-level ones too."""
+    found: set[str] = set()
+    package = module_name(path).rsplit(".", 1)[0] if path.name != "__init__.py" else None
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:  # relative: resolved against this module's package
+                base = (package or module_name(path)).split(".")
+                base = base[: len(base) - node.level + 1]
+                module = ".".join([*base, module] if module else base)
+            names = [f"{module}.{alias.name}" for alias in node.names]
+            submodules = [name for name in names if _is_module(name)]
+            found.update(submodules)
+            if len(submodules) < len(names):
+                found.add(module)
+    return found
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One circle through each strongly connected group of modules (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[set[str]] = []
+
+    def connect(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                connect(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = set()
+            while True:
+                member = stack.pop()
+                group.add(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                groups.append(group)
+
+    for node in sorted(graph):
+        if node not in index:
+            connect(node)
+    cycles = []
+    for group in groups:
+        # A shortest way back to the group's first module, found breadth first.
+        start = min(group)
+        paths = {nxt: [start, nxt] for nxt in sorted(graph[start] & group)}
+        queue = list(paths)
+        while start not in paths:
+            node = queue.pop(0)
+            for nxt in sorted(graph[node] & group):
+                if nxt not in paths:
+                    paths[nxt] = [*paths[node], nxt]
+                    queue.append(nxt)
+        cycles.append(paths[start])
+    return cycles
+
+
+def test_no_import_circle_even_for_the_type_checker() -> None:
+    modules = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+    graph = {
+        name: {imported for imported in all_imports(path) if imported in modules} - {name}
+        for name, path in modules.items()
+    }
+    cycles = [
+        " -> ".join(cycle)
+        for cycle in import_cycles(graph)
+        if tuple(sorted(set(cycle))) not in ALLOWED_CYCLES
+    ]
+    assert cycles == [], "import circles:\n" + "\n".join(cycles)
+
+
+def private_task_members() -> set[str]:
+    """The private names ``task.py``'s task classes define (``_lock_settings``, ...)."""
+    names: set[str] = set()
+    for node in ast.parse((PACKAGE / "task.py").read_text()).body:
+        if isinstance(node, ast.ClassDef) and node.name.startswith("Singleton"):
+            for member in ast.walk(node):
+                if isinstance(member, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    names.add(member.name)
+                elif isinstance(member, ast.Name) and isinstance(member.ctx, ast.Store):
+                    names.add(member.id)
+                elif isinstance(member, ast.Attribute) and isinstance(member.ctx, ast.Store):
+                    names.add(member.attr)
+    return {name for name in names if name.startswith("_") and not name.endswith("__")}
+
+
+def test_no_module_uses_the_task_class_private_members() -> None:
+    private = private_task_members()
+    assert "_lock_settings" in private  # the scan finds them
+    used = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path == PACKAGE / "task.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in private:
+                used.append(f"{module_name(path)}:{node.lineno}: .{node.attr}")
+    assert used == [], "private members of SingletonTask used outside task.py"
 
 
 def test_every_module_opens_with_a_docstring_saying_its_job() -> None:

@@ -1,0 +1,172 @@
+"""Parking: a contended run that must run after the holder waits in Redis, not in a worker.
+
+:class:`ParkingAttempt` adds to :class:`~celery_redislock.acquire.LockAttempt`
+what a hand-off needs: park behind the holder and re-send the safety-net
+copy (see ``handoff.py``), re-send a debounced run its burst moved, and
+withdraw a call for good or drop a second copy of it. May import
+``acquire``, ``handoff``, ``headers``, ``pending``, ``policies``,
+``resend``; never ``task`` nor ``execution``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, NoReturn
+
+from celery.exceptions import Ignore
+from celery.exceptions import Retry as CeleryRetry
+
+from celery_redislock.acquire import LockAttempt, SecondCopy
+from celery_redislock.exceptions import LockBackendError, LockContended
+from celery_redislock.handoff import pack_message
+from celery_redislock.headers import (
+    HANDOFF_COPY_HEADER,
+    HANDOFF_HEADER,
+    LOCK_RETRIES_HEADER,
+    PARKED_SINCE_HEADER,
+)
+from celery_redislock.pending import Member
+from celery_redislock.policies import LOCK_ACQUIRED, ContentionPolicy, HandOff
+from celery_redislock.resend import resend, resend_headers
+from celery_redislock.tokens import LockOwner, new_nonce
+
+__all__ = ["ParkingAttempt", "handoff_policy"]
+
+# The documented logger name: this was part of task.py.
+logger = logging.getLogger("celery_redislock.task")
+
+
+def handoff_policy(policy: ContentionPolicy) -> ContentionPolicy:
+    """The policy of a run that must run after the holder, never instead of it.
+
+    A coalesced run, a debounced run, and every copy of a parked execution:
+    the ``HandOff`` found in ``policy``'s composition, else an unbounded one.
+    """
+    seen: ContentionPolicy | None = policy
+    while seen is not None:
+        if isinstance(seen, HandOff):
+            return seen
+        seen = getattr(seen, "then", None)
+    return HandOff(max_wait=None)
+
+
+class ParkingAttempt(LockAttempt):
+    """A lock attempt that can park behind the holder, and leave the hand-off queue."""
+
+    def _park(self, countdown: float, exc: Exception, lock_retries: int, parked_since: Any) -> Any:
+        """Park behind the holder (see :class:`HandOff`): one round trip, then the safety net.
+
+        Returns :data:`LOCK_ACQUIRED` if the lock was free by then; raises
+        ``Retry`` once parked and re-sent, or :class:`SecondCopy`.
+        """
+        task, request = self.task, self.request
+        handoff = self.parked_value
+        extra = {
+            HANDOFF_HEADER: handoff,
+            PARKED_SINCE_HEADER: parked_since or time.time(),
+            LOCK_RETRIES_HEADER: lock_retries + 1,
+        }
+        message = pack_message(
+            task, resend_headers(request, {**extra, HANDOFF_COPY_HEADER: f"w:{new_nonce()}"})
+        )
+        self.unsettled = True
+        try:
+            return self._park_and_resend(handoff, message, countdown, exc, extra)
+        except (CeleryRetry, SecondCopy, LockBackendError):
+            # Parked and re-sent; or another copy ran; or the store failed
+            # (the backoff re-send parks the same call again: one entry).
+            raise
+        except BaseException:
+            # Interrupted (a soft time limit, a SIGTERM-born SystemExit) or
+            # the re-send failed, after the park may have run: this call
+            # ends here, visibly, so no copy of it may run later.
+            self._withdraw()
+            raise
+
+    def _park_and_resend(
+        self, handoff: str, message: bytes, countdown: float, exc: Exception, extra: dict[str, Any]
+    ) -> Any:
+        """One round trip (grant, or park), then the safety-net re-send.
+
+        The park also asks the workers' sweep to look at the key (see
+        ``pending.py``): if the holder's worker dies, a sweep hands the call
+        the lock about a TTL later, whatever became of this worker and of
+        the safety-net copy it reserved.
+        """
+        task, request, settings = self.task, self.request, self.settings
+        parked = settings.backend.park(
+            self.key,
+            self.value,
+            settings.ttl_ms,
+            handoff,
+            self.copy_tag,
+            message,
+            self.park_ttl_ms,
+            self.queued_slot,
+            [*self.adopt, handoff],
+            settings.limit,
+            LockOwner.task_prefix(request.id),
+            touch=self.pending.touch_call(Member.parked(self.key, settings.limit), 0),
+            after=self._forget_queued_run(),
+        )
+        self.unsettled = parked.result.acquired
+        if parked.already_ran:
+            raise SecondCopy()
+        if parked.result.acquired:
+            self._granted.append(parked.result)
+            return LOCK_ACQUIRED
+        # The safety net is for a store that lost the queue: the release, or
+        # else a sweep, hands the lock over first (so calls run in the order
+        # they parked); one more TTL leaves the sweep that time.
+        countdown += settings.ttl
+        logger.info(
+            "%s[%s] parked behind lock %s; a release hands it over (safety net in %.1fs)",
+            task.name,
+            request.id,
+            self.key,
+            countdown,
+        )
+        return resend(task, countdown, exc, {**extra, HANDOFF_COPY_HEADER: f"f:{new_nonce()}"})
+
+    def _wait_for_debounce(self) -> None:
+        """Re-send this debounced run if a later call of its burst moved its due time."""
+        request = self.request
+        task_id = request.id or ""
+        due = self.settings.backend.debounce_due(
+            self.key, task_id, after=self.pending.forget_debounced_call(self.key)
+        )
+        if due > 0:
+            logger.info(
+                "%s[%s] debounced: a later call moved its run %.3fs ahead",
+                self.task.name,
+                request.id,
+                due,
+            )
+            resend(self.task, due, LockContended(self.key, None, due), {})
+
+    def _withdraw(self) -> None:
+        """Take this call out of the hand-off queue for good (best effort: never raises)."""
+        try:
+            self.settings.backend.withdraw(
+                self.key, self.parked_value, self.park_ttl_ms, self.settings.limit
+            )
+        except Exception:
+            logger.warning(
+                "%s[%s]: could not withdraw the parked call from lock %s; a copy of it may "
+                "still run",
+                self.task.name,
+                self.request.id,
+                self.key,
+                exc_info=True,
+            )
+
+    def _drop_second_copy(self) -> NoReturn:
+        """Drop this copy: another copy of the same parked execution was granted the lock."""
+        logger.info(
+            "%s[%s] dropped: another copy of this parked execution already ran (lock %s)",
+            self.task.name,
+            self.request.id,
+            self.key,
+        )
+        raise Ignore()

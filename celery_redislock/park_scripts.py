@@ -362,6 +362,9 @@ return {1, slot}
 # ARGV[4]        - time to live in ms of a slot handed to a parked call
 # ARGV[5]        - how long the fence counter outlives the hold, in ms (the
 #                  counter is settled only when no slot is held)
+# ARGV[6]        - '1' when this is the retry of a release whose reply was
+#                  lost: a slot holding a parked call's hand-off value not
+#                  yet taken up was most likely that release's hand-over
 # returns the number (1..n) of the slot released (every matching slot is
 #         deleted; the lowest is returned, and handed to the first parked
 #         call if any: then {slot, hand-off value, message}), 0 if none
@@ -416,6 +419,15 @@ if released > 0 then
         return {released, handed[1], handed[2]}
     end
     return released
+end
+if ARGV[6] == '1' then
+    for i = 1, n do
+        local current = redis.call('GET', KEYS[i])
+        local message = current and redis.call('HGET', KEYS[n + 2], current)
+        if message then
+            return {i, current, message}
+        end
+    end
 end
 if empty then
     return 0

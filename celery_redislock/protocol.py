@@ -12,6 +12,7 @@ every key with the script.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from collections.abc import Callable, Sequence
@@ -26,6 +27,7 @@ logger = logging.getLogger("celery_redislock.backend")
 __all__ = [
     "TAKE_OVER",
     "ReleaseAttempts",
+    "accepted",
     "after_retry",
     "after_set_nx_get",
     "set_nx_get",
@@ -81,25 +83,27 @@ class ReleaseAttempts:
     the caller sends the release again: ``resent``) may have run. The next
     attempt is then a retry (``RELEASE_FULL_SCRIPT`` with ``ARGV[8]`` set):
     it publishes a hand-over the lost reply carried, and its "already gone"
-    or "another holder" most likely follows our own release, so both are
-    reported as released. An attempt answered with an error (a cluster
-    redirection, ``TRYAGAIN``) ran nothing: the next is not a retry.
+    means the first attempt worked. An attempt answered with an error (a
+    cluster redirection, ``TRYAGAIN``) ran nothing: whether the next is a
+    retry depends on the attempts before it.
 
-    The stores call :meth:`start` as an attempt is sent, :meth:`answered`
-    once its reply is read (an error reply too), and :meth:`outcome` on the
-    last reply.
+    The stores call :meth:`start` as an attempt is sent, then
+    :meth:`answered` once its reply is read, or :meth:`refused` for an
+    error reply, and :meth:`outcome` on the last reply.
     """
 
-    __slots__ = ("key", "retried", "unanswered")
+    __slots__ = ("_before", "key", "retried", "unanswered")
 
     def __init__(self, key: str, resent: bool = False) -> None:
         self.key = key
         self.unanswered = resent
         self.retried = False
+        self._before = resent
 
     def start(self) -> bool:
         """An attempt is being sent: True when it must run as a retry."""
-        retry, self.unanswered = self.unanswered, True
+        retry = self._before = self.unanswered
+        self.unanswered = True
         self.retried = self.retried or retry
         return retry
 
@@ -107,25 +111,45 @@ class ReleaseAttempts:
         """The attempt's reply was read: whatever it says, it is known."""
         self.unanswered = False
 
+    def refused(self) -> None:
+        """The attempt was answered with an error: it ran nothing, the state is as before it."""
+        self.unanswered = self._before
+
     def outcome(self, reply: Any) -> Any:
         """The release's reply: 1 (or a slot number), 0, -1 or ``[1, value, message]``."""
         return after_retry(self.key, reply) if self.retried else reply
 
 
 def after_retry(key: str, reply: Any) -> Any:
-    """What a release sent again after a lost reply found (see :class:`ReleaseAttempts`)."""
-    if isinstance(reply, list) or int(reply) > 0:
+    """What a release sent again after a lost reply found (see :class:`ReleaseAttempts`).
+
+    "Already gone" means the first attempt released the key. Another holder's
+    value may follow our own release as well as a lock lost before it (the
+    first attempt may have failed before anything was sent): it stays -1,
+    the key left alone.
+    """
+    if isinstance(reply, list) or int(reply) != 0:
         return reply
     logger.info(
-        "release of lock %s was sent again after its reply was lost; it found the key %s: "
+        "release of lock %s was sent again after its reply was lost and found the key gone: "
         "the first attempt released it",
         key,
-        "gone" if int(reply) == 0 else "held by the next holder",
     )
     return 1
 
 
+@functools.lru_cache(maxsize=64)
 def takes_keyword(method: Callable[..., Any], name: str) -> bool:
-    """Whether ``method`` accepts ``name`` as a keyword (an override may predate it)."""
+    """Whether ``method`` (a class's function) accepts ``name``: an override may predate it."""
     parameters = inspect.signature(method).parameters.values()
     return any(p.name == name or p.kind is p.VAR_KEYWORD for p in parameters)
+
+
+def accepted(method: Callable[..., Any], **flags: bool) -> dict[str, bool]:
+    """The ``flags`` that are set and that ``method`` (a class's function) accepts.
+
+    A flag is passed only when set, and only to an override that takes it,
+    so an override written before the flag existed still works (without
+    what the flag adds).
+    """
+    return {name: True for name, on in flags.items() if on and takes_keyword(method, name)}

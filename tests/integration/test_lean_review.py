@@ -20,7 +20,7 @@ from redis.crc import key_slot
 
 from celery_redislock import AsyncRedisLock, LockContended, RedisLock, SingletonTask
 from celery_redislock.admin import LockInventory
-from celery_redislock.keys import fence_key
+from celery_redislock.keys import fence_key, slot_keys
 from celery_redislock.settings import app_settings, forget_app_settings
 from celery_redislock.store import LockStore, ReleaseOutcome
 from celery_redislock.tokens import WAITING
@@ -236,10 +236,14 @@ def test_a_release_sent_again_after_its_reply_was_cut_off_publishes_the_hand_ove
     assert handed == [(KEY, "handoff-1", b"message-1")]
 
 
-def test_a_release_retried_after_a_lost_reply_finds_the_next_holder_and_says_released(
+def test_a_release_retried_after_a_lost_reply_leaves_the_next_holder_alone(
     server: RedisServer, proxy: FaultProxy, lock_client: redis.Redis
 ) -> None:
-    """The first attempt freed the key, the next holder took it, then the retry: RELEASED."""
+    """The first attempt freed the key, the next holder took it, then the retry: left alone.
+
+    NOT_OURS: the retry cannot tell this from a lock lost before the first
+    attempt ran (the connection may have failed before anything was sent).
+    """
     mine = "v1|me|0|h|1|n|job|0"
     store = LockStore(f"{proxy.url}/{LOCK_DB}", {"socket_timeout": 1.0})
     try:
@@ -258,7 +262,7 @@ def test_a_release_retried_after_a_lost_reply_finds_the_next_holder_and_says_rel
         outcome = store.release(KEY, mine)
         thread.join(5)
         assert taken.is_set()
-        assert outcome is ReleaseOutcome.RELEASED
+        assert outcome is ReleaseOutcome.NOT_OURS
         assert lock_client.get(KEY) == HOLDER.encode()
     finally:
         store.close()
@@ -330,3 +334,50 @@ def test_extending_a_fenced_asyncio_lock_extends_its_fence_counter(
             await client.aclose()
 
     asyncio.run(hold())
+
+
+class _OlderOverrides(LockStore):
+    """Overrides written against the signatures before ``settle``, ``resent`` and ``fenced``."""
+
+    def do_release(self, key: str, match: str, mode: str, keep: str, keep_ms: int) -> Any:
+        return super().do_release(key, match, mode, keep, keep_ms)
+
+    def do_extend(self, key: str, value: str, ttl_ms: int) -> int:
+        return super().do_extend(key, value, ttl_ms)
+
+
+def test_overrides_with_the_older_signatures_still_work(lock_client: redis.Redis) -> None:
+    """A fenced extend, a force-release and a fenced release call them without the new flags."""
+    store = _OlderOverrides(client=lock_client)
+    lock = RedisLock(lock_client, KEY, ttl=5, store=store)
+    assert lock.acquire()
+    assert (lock.fence or 0) > 0
+    lock.extend(10)
+    assert lock_client.pttl(KEY) > 5_000
+    assert lock.release() is ReleaseOutcome.RELEASED
+    lock_client.set(KEY, HOLDER, px=30_000)
+    assert store.release(KEY, HOLDER, fenced=True) is ReleaseOutcome.RELEASED
+
+
+def test_a_slot_release_retried_after_a_lost_reply_publishes_the_hand_over(
+    server: RedisServer, proxy: FaultProxy, lock_client: redis.Redis
+) -> None:
+    """``lock_limit``: the first attempt handed the slot to a parked call; its reply was lost."""
+    mine = "v1|me|0|h|1|n|job|0"
+    store = LockStore(f"{proxy.url}/{LOCK_DB}", {"socket_timeout": 1.0})
+    handed: list[tuple[str, str, bytes]] = []
+    store.on_handoff = lambda key, waiter, message: handed.append((key, waiter, message))
+    try:
+        # Warm the releases' connection and load the script: the lost reply is the release's.
+        assert store.release(KEY + "warm", mine) is ReleaseOutcome.ALREADY_GONE
+        store.release_slot_of("redislock:t:{warm}", 2, mine)
+        assert store.acquire_slot(KEY, 2, mine, 30_000).acquired
+        assert store.acquire_slot(KEY, 2, HOLDER, 30_000).acquired
+        parked = store.park(KEY, "parked", 30_000, "handoff-1", "o", b"message-1", 60_000, limit=2)
+        assert parked.parked
+        proxy.lose_replies = 1
+        assert store.release_slot_of(KEY, 2, mine) is ReleaseOutcome.RELEASED
+        assert b"handoff-1" in [lock_client.get(key) for key in slot_keys(KEY, 2)]
+        assert handed == [(KEY, "handoff-1", b"message-1")]
+    finally:
+        store.close()

@@ -1,0 +1,113 @@
+"""Redis Cluster under resharding and outages (the release review, helper-8): each failed before its fix.
+
+A 2-master cluster per test (it is killed, frozen or resharded), joined by commands.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+from redis.cluster import RedisCluster
+from redis.crc import key_slot
+
+from celery_redislock import RedisLock
+from celery_redislock.store import LockStore
+from tests.servers import RedisClusterServers, RedisServer, wait_until
+
+pytestmark = pytest.mark.slow
+
+KEY = "redislock:t:{moves}"
+HOLDER = "v1|holder|0|elsewhere|1|ab|job|0"
+QUICK = {"socket_timeout": 0.3, "socket_connect_timeout": 0.3}
+
+
+@pytest.fixture
+def cluster() -> Iterator[RedisClusterServers]:
+    servers = RedisClusterServers(masters=2)
+    yield servers
+    servers.close()
+
+
+def _move_slot(cluster: RedisClusterServers, key: str) -> RedisServer:
+    """Reshard ``key``'s slot, keys included, to the other master; return that master."""
+    source = cluster.node_holding(key)
+    target = next(node for node in cluster.nodes if node is not source)
+    slot = key_slot(key.encode())
+    source_id = source.client().cluster("myid")
+    target_id = target.client().cluster("myid")
+    target.client().execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", source_id)
+    source.client().execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", target_id)
+    keys = source.client().execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100)
+    source.client().execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", *keys)
+    for node in (target, source):
+        node.client().execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
+    return target
+
+
+def _script_calls(node: RedisServer) -> int:
+    stats = node.client().info("commandstats")
+    return int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
+
+
+def test_a_held_lock_is_renewed_on_the_master_its_slot_moved_to(
+    cluster: RedisClusterServers,
+) -> None:
+    """A resharding moves the key; its renewals follow the redirection, the lock is never lost."""
+    client = RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port)
+    lock = RedisLock(client, KEY, ttl=1.5)
+    try:
+        assert lock.acquire()
+        target = _move_slot(cluster, KEY)
+        renewed_before = _script_calls(target)
+        # Two renewals (every TTL/3 = 0.5 s) reach the new master, within 2 TTLs.
+        wait_until(
+            lambda: _script_calls(target) >= renewed_before + 2,
+            timeout=3.0,
+            interval=0.05,
+            message="renewals on the master the slot moved to",
+        )
+        assert not lock.handle.lost
+        assert target.client().pttl(KEY) > 0
+        assert lock.release() is not None
+    finally:
+        client.close()
+
+
+def test_an_unreachable_cluster_is_a_lock_store_error_and_never_escapes_a_release(
+    cluster: RedisClusterServers,
+) -> None:
+    store = LockStore(cluster.url, QUICK)
+    cluster.node_holding(KEY).client().set(KEY, HOLDER, px=60_000)
+    contended = store.acquire(KEY, "v1|me|0|h|1|n|job|0", 30_000)
+    assert not contended.acquired
+    client = RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port, **QUICK)
+    lock = RedisLock(client, "redislock:t:{other}", ttl=30)
+    try:
+        assert lock.acquire()
+        for node in cluster.nodes:
+            node.kill()
+        assert contended.ttl_remaining is None  # unknown, not an exception
+        assert lock.release() is None  # logged; the TTL frees the key
+    finally:
+        client.close()
+
+
+def test_a_release_against_a_frozen_cluster_gives_up_within_its_short_timeout(
+    cluster: RedisClusterServers,
+) -> None:
+    """Releases have their own short timeout: a frozen cluster must not hold a task for 5 s per node."""
+    store = LockStore(cluster.url)  # the client's timeouts: 5 s; the releases': 0.5 s, one retry
+    lock = RedisLock(store.client, KEY, ttl=30, store=store)
+    assert lock.acquire()
+    for node in cluster.nodes:
+        node.pause()
+    try:
+        started = time.monotonic()
+        assert lock.release() is None
+        took = time.monotonic() - started
+    finally:
+        for node in cluster.nodes:
+            node.resume()
+    assert took < 2.5, f"the release took {took:.1f}s"

@@ -8,7 +8,6 @@ renewer task (:mod:`celery_redislock.aiorenewer`), released awaited.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 from celery_redislock.aiorenewer import AsyncRenewer, async_renewer
@@ -35,7 +34,7 @@ class AsyncLockHandle(Lease):
         lost_reason: ``"gone"``, ``"stolen"`` or ``"expired_locally"`` once lost.
     """
 
-    task_id: str | None = None
+    backend: AsyncLockStore
 
     def __init__(
         self,
@@ -48,22 +47,8 @@ class AsyncLockHandle(Lease):
         sender: Any,
         fence: int | None,
     ) -> None:
-        self.backend = store
-        self.key = key
-        self.task_name = key
-        self.value = value
-        self._fence = fence
-        self.fenced = fence is not None
-        self.sender = sender
-        self._start_lease(ttl, granted_at)
+        super().__init__(store, key, value, ttl, granted_at, key, None, sender, fence)
         self._renewer: AsyncRenewer | None = None
-        self._release_done = False
-        self._release_sent = False
-        self._pid = os.getpid()
-
-    def __repr__(self) -> str:
-        state = "released" if self.released else ("lost" if self.lost else "held")
-        return f"<AsyncLockHandle {self.key!r} {state}>"
 
     async def fence(self) -> int:
         """The fencing token of this acquisition, issued on first call (one round trip).
@@ -79,10 +64,7 @@ class AsyncLockHandle(Lease):
         if fence is None:
             if self.released:
                 raise LockNotOwned(self.key, "it was released")
-            fence = await self.backend.fence(self.key, self.value)
-            if fence is None:
-                raise LockNotOwned(self.key, "it no longer holds this acquisition's value")
-            self._fence, self.fenced = fence, True
+            fence = self._fence_issued(await self.backend.fence(self.key, self.value))
         return fence
 
     def start_renewal(self) -> None:
@@ -113,15 +95,7 @@ class AsyncLockHandle(Lease):
         Renewal stops before the release is sent. Awaiting it again after a
         cancellation cut it off sends it again.
         """
-        if self._release_done:
-            return None
-        if self._pid != os.getpid():
-            logger.warning(
-                "not releasing lock %s from pid %d: it was acquired by pid %d",
-                self.key,
-                os.getpid(),
-                self._pid,
-            )
+        if not self._may_release():
             return None
         self.released = True
         self._stop_renewal()
@@ -129,9 +103,7 @@ class AsyncLockHandle(Lease):
         try:
             outcome = await self.backend.release(self.key, self.value, self.fenced, resent)
         except LockBackendError as exc:
-            self._release_done = True
             self._release_failed(exc)
             return None
-        self._release_done = True
         self._report_release(outcome)
         return outcome

@@ -38,7 +38,13 @@ from celery_redislock.aiotransport import (
 )
 from celery_redislock.exceptions import ConfigurationError
 from celery_redislock.keys import fence_key, release_channel
-from celery_redislock.outcomes import AcquireResult, ReleaseOutcome, RenewOutcome, held_by
+from celery_redislock.outcomes import (
+    AcquireResult,
+    ReleaseOutcome,
+    RenewOutcome,
+    held_by,
+    release_wait,
+)
 from celery_redislock.protocol import (
     TAKE_OVER,
     ReleaseAttempts,
@@ -225,12 +231,9 @@ class AsyncLockStore:
                         subscribed = True
                         while True:
                             result = await self.acquire(key, value, ttl_ms, adopt, waiting=True)
-                            remaining = deadline - clock()
-                            if result.acquired or remaining <= 0:
+                            wait = release_wait(result, deadline)
+                            if wait is None:
                                 return result
-                            wait = remaining
-                            if result.ttl_remaining is not None:
-                                wait = min(wait, result.ttl_remaining + 0.005)
                             if not await sub.wait(wait):
                                 break  # timed out: subscribe again, then try again
                 except (ConnectionError, TimeoutError):

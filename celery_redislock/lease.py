@@ -61,6 +61,8 @@ class LockHandle(Lease):
             ``"expired_locally"``), or ``None`` while it is held.
     """
 
+    backend: LockStore
+
     def __init__(
         self,
         backend: LockStore,
@@ -75,15 +77,7 @@ class LockHandle(Lease):
         renew: bool = True,
         fence: int | None = None,
     ) -> None:
-        self.backend = backend
-        self._fence = fence
-        self.fenced = fence is not None
-        self.key = key
-        self.value = value
-        self.task_name = task_name
-        self.task_id = task_id
-        self.sender = sender
-        self._start_lease(ttl, granted_at)
+        super().__init__(backend, key, value, ttl, granted_at, task_name, task_id, sender, fence)
         #: True once the execution holding it has ended: no abort may reach it.
         self.finished = False
         #: Taken by whoever sends an abort and by :meth:`finish`, so an abort
@@ -91,9 +85,6 @@ class LockHandle(Lease):
         self.abort_guard = native_lock()
         #: Thread an asynchronous abort was sent to (lock_on_lost="abort").
         self.abort_sent_to: int | None = None
-        self._release_done = False
-        self._release_sent = False
-        self._pid = current_pid()
         self._renewing = False
         self._dropped: weakref.finalize[Any, Any] | None = None
         if renew:
@@ -128,10 +119,6 @@ class LockHandle(Lease):
                 self._dropped = dropped
             renewer().register(self, scoped=scoped)
 
-    def __repr__(self) -> str:
-        state = "released" if self.released else ("lost" if self.lost else "held")
-        return f"<LockHandle {self.key!r} {state}>"
-
     def _named(self) -> tuple[str, tuple[Any, ...]]:
         return "lock %s of %s[%s]", (self.key, self.task_name, self.task_id)
 
@@ -147,10 +134,7 @@ class LockHandle(Lease):
         if fence is None:
             if self.released:
                 raise LockNotOwned(self.key, "it was released")
-            fence = self.backend.fence(self.key, self.value)
-            if fence is None:
-                raise LockNotOwned(self.key, "it no longer holds this acquisition's value")
-            self._fence, self.fenced = fence, True
+            fence = self._fence_issued(self.backend.fence(self.key, self.value))
         return fence
 
     def _stop_renewal(self) -> None:
@@ -202,15 +186,7 @@ class LockHandle(Lease):
             released, another process, or Redis unreachable: the TTL then
             frees the lock).
         """
-        if self._release_done:
-            return None
-        if self._pid != current_pid():
-            logger.warning(
-                "not releasing lock %s from pid %d: it was acquired by pid %d",
-                self.key,
-                current_pid(),
-                self._pid,
-            )
+        if not self._may_release():
             return None
         self.finish()
         self.released = True
@@ -232,10 +208,8 @@ class LockHandle(Lease):
                     self.key, self.value, keep, max(int(keep_for * 1000), 1), self.fenced, resent
                 )
         except LockBackendError as exc:
-            self._release_done = True
             self._release_failed(exc)
             return None
-        self._release_done = True
         self._report_release(outcome, kept=keep is not None)
         return outcome
 

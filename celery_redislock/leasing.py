@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from celery_redislock import signals
 from celery_redislock._clock import clock
+from celery_redislock._process import current_pid
 from celery_redislock.exceptions import LockBackendError, LockNotOwned
 from celery_redislock.outcomes import ReleaseOutcome, RenewOutcome
 from celery_redislock.settings import validate_ttl
@@ -40,64 +41,44 @@ _DRIFT_FACTOR = 0.01
 _DRIFT_FLOOR = 0.002
 
 
-class Renewable(Protocol):
-    """What a renewer needs of a held lock (a :class:`Lease`).
-
-    The renewer reads the schedule and the token, and reports each outcome
-    back through the two methods; it never holds a lock of its own.
-    """
-
-    backend: Any
-    key: str
-    value: str
-    ttl_ms: int
-    renew_period: float
-    renew_at: float
-    valid_until: float
-    #: Its holder read a fence: the key's counter is renewed with it.
-    fenced: bool
-
-    def _renewed(self, sent_at: float) -> None:
-        """The lock was renewed by a call sent at ``sent_at`` (:func:`clock`)."""
-
-    def _mark_lost(self, reason: str) -> None:
-        """The lock is gone, stolen or past its lease: report it once."""
-
-
 class Lease:
     """The lease of one acquisition: its deadlines, its loss, how its replies read.
 
-    Subclasses set the attributes below in ``__init__`` (with
-    :meth:`_start_lease`) and provide ``_stop_renewal``.
+    Subclasses do the I/O and provide ``_stop_renewal``.
     """
 
-    key: str
-    value: str
-    task_name: str
-    task_id: str | None
-    sender: Any
-    fenced: bool
-    ttl: float
-    ttl_ms: int
-    renew_period: float
-    acquired_at: float
-    renew_at: float
-    valid_until: float
-    lost_reason: str | None
-    #: True once the holder started to release (renewal and aborts stop).
-    released: bool
-    renewals: int
-    _on_lost: list[Callable[[Any], None]]
-
-    def _start_lease(self, ttl: float, granted_at: float) -> None:
+    def __init__(
+        self,
+        backend: Any,
+        key: str,
+        value: str,
+        ttl: float,
+        granted_at: float,
+        task_name: str,
+        task_id: str | None,
+        sender: Any,
+        fence: int | None,
+    ) -> None:
+        self.backend = backend
+        self._fence = fence
+        self.fenced = fence is not None
+        self.key = key
+        self.value = value
+        self.task_name = task_name
+        self.task_id = task_id
+        self.sender = sender
         self._set_ttl(ttl)
         self.acquired_at = granted_at
         self.renew_at = granted_at + self.renew_period
         self.valid_until = self._validity_from(granted_at)
-        self.lost_reason = None
+        self.lost_reason: str | None = None
+        #: True once the holder started to release (renewal and aborts stop).
         self.released = False
         self.renewals = 0
-        self._on_lost = []
+        self._release_done = False
+        self._release_sent = False
+        self._pid = current_pid()
+        self._on_lost: list[Callable[[Any], None]] = []
 
     def _set_ttl(self, ttl: float) -> None:
         self.ttl = ttl
@@ -106,6 +87,31 @@ class Lease:
 
     def _validity_from(self, sent_at: float) -> float:
         return sent_at + self.ttl * (1 - _DRIFT_FACTOR) - _DRIFT_FLOOR
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else ("lost" if self.lost else "held")
+        return f"<{type(self).__name__} {self.key!r} {state}>"
+
+    def _fence_issued(self, fence: int | None) -> int:
+        """The fence the store issued (``None``: the value was gone), kept from now on."""
+        if fence is None:
+            raise LockNotOwned(self.key, "it no longer holds this acquisition's value")
+        self._fence, self.fenced = fence, True
+        return fence
+
+    def _may_release(self) -> bool:
+        """False when there is nothing to send: already released, or another process's lock."""
+        if self._release_done:
+            return False
+        if self._pid != current_pid():
+            logger.warning(
+                "not releasing lock %s from pid %d: it was acquired by pid %d",
+                self.key,
+                current_pid(),
+                self._pid,
+            )
+            return False
+        return True
 
     def _named(self) -> tuple[str, tuple[Any, ...]]:
         """How the log lines name this lock: a format and its arguments."""
@@ -179,11 +185,13 @@ class Lease:
         raise LockNotOwned(self.key, f"it is {self.lost_reason}")
 
     def _release_failed(self, exc: LockBackendError) -> None:
+        self._release_done = True
         name, args = self._named()
         logger.error(f"could not release {name}; it expires within %.1fs: %s", *args, self.ttl, exc)
 
     def _report_release(self, outcome: ReleaseOutcome, kept: bool = False) -> None:
         """Log what the release found (when it is news) and send ``lock_released``."""
+        self._release_done = True
         name, args = self._named()
         if outcome is ReleaseOutcome.NOT_OURS:
             logger.warning(
@@ -204,6 +212,10 @@ class Lease:
             held=self.held_for,
             outcome="kept" if kept and outcome is ReleaseOutcome.RELEASED else outcome.name.lower(),
         )
+
+
+#: What a renewer keeps alive (the name it has always had there).
+Renewable = Lease
 
 
 def report_lost(handle: Any, reason: str, callbacks: list[Callable[[Any], None]]) -> None:

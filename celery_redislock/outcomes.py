@@ -8,11 +8,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from celery_redislock._clock import clock
 from celery_redislock.exceptions import LockBackendError
 from celery_redislock.protocol import decode_text
 from celery_redislock.tokens import LockValue, without_mark
 
-__all__ = ["AcquireResult", "ParkResult", "ReleaseOutcome", "RenewOutcome", "held_by"]
+__all__ = [
+    "AcquireResult",
+    "ParkResult",
+    "ReleaseOutcome",
+    "RenewOutcome",
+    "held_by",
+    "release_wait",
+]
 
 # The stores' logger (the module was backend.py).
 logger = logging.getLogger("celery_redislock.backend")
@@ -125,6 +133,20 @@ class ParkResult:
     result: AcquireResult
     parked: bool = False
     already_ran: bool = False
+
+
+def release_wait(result: AcquireResult, deadline: float) -> float | None:
+    """How long a waiting acquire that got ``result`` waits for a release (``None``: done).
+
+    Capped at the holder's remaining TTL, so a lost message or a holder that
+    died costs at most that long.
+    """
+    remaining = deadline - clock()
+    if result.acquired or remaining <= 0:
+        return None
+    if result.ttl_remaining is not None:
+        return min(remaining, result.ttl_remaining + 0.005)
+    return remaining
 
 
 def held_by(

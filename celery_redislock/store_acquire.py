@@ -9,7 +9,6 @@ from redis.exceptions import RedisError, ResponseError
 
 from celery_redislock import scripts
 from celery_redislock._clock import clock
-from celery_redislock.exceptions import LockBackendError
 from celery_redislock.keys import fence_key
 from celery_redislock.outcomes import AcquireResult, RenewOutcome, held_by
 from celery_redislock.protocol import (
@@ -24,7 +23,7 @@ from celery_redislock.protocol import (
 )
 from celery_redislock.store_connections import _command_runner, _Kind, _script_runner
 from celery_redislock.store_release import LockRelease
-from celery_redislock.transport import ClusterTopology, Endpoint, pack_command, send_and_read
+from celery_redislock.transport import Endpoint, pack_command, send_and_read
 
 __all__ = ["LockAcquire"]
 
@@ -79,13 +78,7 @@ class LockAcquire(LockRelease):
             reply, acked = self.do_acquire(*call, waiting) if waiting else self.do_acquire(*call)
         except RedisError as exc:
             raise backend_error(exc, "acquire", key, self.describe()) from exc
-        if acked is not None and acked < min_replicas:
-            self.release(key, value)
-            raise LockBackendError(
-                f"lock {key!r} was taken but only {acked} of {min_replicas} replica(s) "
-                f"acknowledged it within {replicas_timeout}s; released it again "
-                "(a failover now could lose it)"
-            )
+        self._check_replicas(key, value, acked, min_replicas, replicas_timeout)
         return self._acquire_result(key, reply, sent_at)
 
     def _acquire_result(self, key: str, reply: Any, sent_at: float) -> AcquireResult:
@@ -169,15 +162,7 @@ class LockAcquire(LockRelease):
             replicas that acknowledged the write (``None`` when not asked
             for or not taken).
         """
-        topology = self._topology(_Kind.COMMANDS)
-        timeout_ms = 0
-        if min_replicas > 0:
-            if isinstance(topology, ClusterTopology):
-                raise LockBackendError(
-                    "lock_min_replicas is not available on Redis Cluster: WAIT must run on "
-                    "the connection that took the lock"
-                )
-            timeout_ms = max(int(replicas_timeout * 1000), 1)
+        topology, timeout_ms = self._for_replicas(min_replicas, replicas_timeout)
         script = scripts.WAIT_TRY if waiting else scripts.ACQUIRE
         args = (value, ttl_ms, *adopt)
         own = (value, *adopt)

@@ -203,6 +203,22 @@ class StoreConnections:
         except RedisError as exc:
             raise backend_error(exc, operation, key, self.describe()) from exc
 
+    def _for_replicas(self, min_replicas: int, replicas_timeout: float) -> tuple[Topology, int]:
+        """The commands' topology, and ``WAIT``'s timeout in ms (0: not asked for).
+
+        Raises:
+            LockBackendError: ``min_replicas`` on a cluster.
+        """
+        topology = self._topology(_Kind.COMMANDS)
+        if min_replicas <= 0:
+            return topology, 0
+        if isinstance(topology, ClusterTopology):
+            raise LockBackendError(
+                "lock_min_replicas is not available on Redis Cluster: WAIT must run on "
+                "the connection that took the lock"
+            )
+        return topology, max(int(replicas_timeout * 1000), 1)
+
     # -- running scripts -------------------------------------------------
 
     def do_script(self, script: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:

@@ -13,6 +13,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from celery_redislock import park_scripts, scripts
+from celery_redislock.exceptions import LockBackendError
 from celery_redislock.keys import fence_key, handoff_keys, release_channel, slot_keys
 from celery_redislock.outcomes import ReleaseOutcome
 from celery_redislock.protocol import (
@@ -88,6 +89,18 @@ class LockRelease(StoreConnections):
             hand_off(self.on_handoff, key, reply)
             return ReleaseOutcome.RELEASED
         return ReleaseOutcome(max(min(reply, 1), -1))
+
+    def _check_replicas(
+        self, key: str, value: str, acked: int | None, min_replicas: int, replicas_timeout: float
+    ) -> None:
+        """Release a lock too few replicas acknowledged (``acked``), and raise."""
+        if acked is not None and acked < min_replicas:
+            self.release(key, value)
+            raise LockBackendError(
+                f"lock {key!r} was taken but only {acked} of {min_replicas} replica(s) "
+                f"acknowledged it within {replicas_timeout}s; released it again "
+                "(a failover now could lose it)"
+            )
 
     def _release(
         self,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -9,12 +10,11 @@ from redis.exceptions import ConnectionError, TimeoutError
 
 from celery_redislock import park_scripts, scripts
 from celery_redislock._clock import clock
-from celery_redislock.exceptions import LockBackendError
 from celery_redislock.keys import release_channel, slot_keys
-from celery_redislock.outcomes import AcquireResult, held_by
+from celery_redislock.outcomes import AcquireResult, held_by, release_wait
 from celery_redislock.store_acquire import LockAcquire
 from celery_redislock.store_connections import _Kind, _script_runner
-from celery_redislock.transport import ClusterTopology, Endpoint, Script, Subscription, pack_command
+from celery_redislock.transport import Endpoint, Script, Subscription, pack_command
 
 __all__ = ["LockSlotsAndWaits"]
 
@@ -76,13 +76,7 @@ class LockSlotsAndWaits(LockAcquire):
             )
         if int(reply[0]) == 1:
             taken = slot_keys(key, limit)[int(reply[1]) - 1]
-            if acked is not None and acked < min_replicas:
-                self.release(taken, value)
-                raise LockBackendError(
-                    f"lock {taken!r} was taken but only {acked} of {min_replicas} replica(s) "
-                    f"acknowledged it within {replicas_timeout}s; released it again "
-                    "(a failover now could lose it)"
-                )
+            self._check_replicas(taken, value, acked, min_replicas, replicas_timeout)
             return AcquireResult(True, sent_at=sent_at, key=taken)
         return held_by(reply, sent_at, self._topology(_Kind.COMMANDS).endpoint_for(key).encoding)
 
@@ -106,21 +100,14 @@ class LockSlotsAndWaits(LockAcquire):
         """
         keys = slot_keys(key, limit)
         args = (value, ttl_ms, "1" if waiting else "", task_prefix, *adopt)
-        topology = self._topology(_Kind.COMMANDS)
-        if min_replicas > 0:
-            if isinstance(topology, ClusterTopology):
-                raise LockBackendError(
-                    "lock_min_replicas is not available on Redis Cluster: WAIT must run on "
-                    "the connection that took the lock"
-                )
-            timeout_ms = max(int(replicas_timeout * 1000), 1)
-            reply, acked = topology.run_for_key(
+        topology, timeout_ms = self._for_replicas(min_replicas, replicas_timeout)
+        if timeout_ms:
+            return topology.run_for_key(
                 key,
                 lambda endpoint: _then_wait(
                     endpoint, keys, args, min_replicas, timeout_ms, park_scripts.ACQUIRE_SLOT
                 ),
             )
-            return reply, acked
         reply = topology.run_for_key(
             key,
             lambda endpoint: park_scripts.ACQUIRE_SLOT.exchange(keys, args, endpoint.encoding),
@@ -155,6 +142,11 @@ class LockSlotsAndWaits(LockAcquire):
         """
         deadline = clock() + timeout
         endpoint = self._topology(_Kind.COMMANDS).endpoint_for(key)
+        take: Callable[..., AcquireResult] = (
+            functools.partial(self.acquire_slot, key, limit, value, ttl_ms, adopt, task_prefix)
+            if limit > 1
+            else functools.partial(self.acquire, key, value, ttl_ms, adopt)
+        )
         dropped = 0
         with self._errors("wait for", key):
             while True:
@@ -163,34 +155,10 @@ class LockSlotsAndWaits(LockAcquire):
                     with Subscription(endpoint, release_channel(key)) as sub:
                         subscribed = True
                         while True:
-                            if limit > 1:
-                                result = self.acquire_slot(
-                                    key,
-                                    limit,
-                                    value,
-                                    ttl_ms,
-                                    adopt,
-                                    task_prefix,
-                                    min_replicas,
-                                    replicas_timeout,
-                                    waiting=True,
-                                )
-                            else:
-                                result = self.acquire(
-                                    key,
-                                    value,
-                                    ttl_ms,
-                                    adopt,
-                                    min_replicas,
-                                    replicas_timeout,
-                                    waiting=True,
-                                )
-                            remaining = deadline - clock()
-                            if result.acquired or remaining <= 0:
+                            result = take(min_replicas, replicas_timeout, waiting=True)
+                            wait = release_wait(result, deadline)
+                            if wait is None:
                                 return result
-                            wait = remaining
-                            if result.ttl_remaining is not None:
-                                wait = min(wait, result.ttl_remaining + 0.005)
                             sub.wait(max(wait, 0.001))
                 except (ConnectionError, TimeoutError):
                     # The subscription dropped (a restart, a failover, a

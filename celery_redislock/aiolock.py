@@ -30,14 +30,13 @@ from typing import Any, TypeVar
 
 import redis.asyncio
 
-from celery_redislock._clock import clock
 from celery_redislock.aiolease import AsyncLockHandle
 from celery_redislock.aiorenewer import AsyncRenewer, async_renewer
 from celery_redislock.aiostore import AsyncLockStore
 from celery_redislock.exceptions import LockBackendError, LockContended, LockNotOwned
 from celery_redislock.outcomes import AcquireResult, ReleaseOutcome
 from celery_redislock.owners import Holds, task_owner
-from celery_redislock.standalone import StandaloneLock, _note_unsettled, _unsettled
+from celery_redislock.standalone import StandaloneLock, _note_unsettled
 from celery_redislock.takeback import DELAYS
 
 __all__ = ["AsyncLockHandle", "AsyncRedisLock", "AsyncRenewer", "async_renewer"]
@@ -208,21 +207,10 @@ class AsyncRedisLock(StandaloneLock[AsyncLockHandle, AsyncLockStore]):
                 await hold.handle.extend()  # still ours? (marked lost and raises if not)
                 hold.depth += 1
                 return True
-        elif self.handle is not None and not self.handle.released:
-            raise RuntimeError(f"AsyncRedisLock {self.name!r} is already held by this object")
-        blocking = self.blocking if blocking is None else blocking
-        timeout = self.timeout if timeout is None else timeout
-        value, ttl_ms = self._new_value()
-        started = clock()
+        blocking, timeout, value, ttl_ms, started, adopt = self._new_try(blocking, timeout)
         handle: AsyncLockHandle | None = None
-        adopt = _unsettled(self.backend, self.name)
         try:
-            if not blocking:
-                result = await self.backend.acquire(self.name, value, ttl_ms, adopt)
-            else:
-                result = await _acquire_blocking(
-                    self.backend, self.name, value, ttl_ms, timeout, adopt
-                )
+            result = await _acquire_blocking(self, value, ttl_ms, blocking, timeout, adopt)
             if not result.acquired:
                 self._contended(result)
                 return False
@@ -408,16 +396,17 @@ class AsyncRedisLock(StandaloneLock[AsyncLockHandle, AsyncLockStore]):
 
 
 async def _acquire_blocking(
-    backend: AsyncLockStore,
-    name: str,
+    lock: AsyncRedisLock,
     value: str,
     ttl_ms: int,
+    blocking: bool,
     timeout: float | None,
     adopt: tuple[str, ...],
 ) -> AcquireResult:
-    """Acquire, then wait (woken by the holder's release) up to ``timeout`` (``None``: for ever)."""
+    """Acquire; blocking, wait (woken by the release) up to ``timeout`` (``None``: for ever)."""
+    backend, name = lock.backend, lock.name
     result = await backend.acquire(name, value, ttl_ms, adopt)
-    if result.acquired or (timeout is not None and timeout <= 0):
+    if not blocking or result.acquired or (timeout is not None and timeout <= 0):
         return result
     if timeout is not None:
         return await backend.acquire_waiting(name, value, ttl_ms, timeout, adopt)

@@ -8,9 +8,7 @@ same name exclude each other. What it sends and what a reply means are
 :mod:`celery_redislock.protocol`'s, shared with the sync store; its
 connections are :mod:`celery_redislock.aiotransport`'s.
 
-Connections are ``redis.asyncio`` connections made from the client's pool
-settings (RESP2, raw bytes, no retry inside ``connect()``). A single
-server only (``redis://``, ``rediss://``, ``unix://``): an asyncio cluster or
+A single server only (``redis://``, ``rediss://``, ``unix://``): an asyncio cluster or
 Sentinel client is refused with a clear error.
 """
 
@@ -19,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import redis.asyncio
@@ -32,6 +30,7 @@ from celery_redislock.aiotransport import (
     AsyncEndpoint,
     AsyncSubscription,
     Exchange,
+    endpoints,
     script_exchange,
     script_many_exchange,
     send_and_read,
@@ -62,15 +61,13 @@ from celery_redislock.protocol import (
     unsupported,
 )
 from celery_redislock.tokens import without_mark
-from celery_redislock.transport import connection_settings, pack_command
+from celery_redislock.transport import pack_command
 
 __all__ = ["AsyncEndpoint", "AsyncLockStore", "AsyncSubscription"]
 
 #: How long a key handed to a parked execution is held for it (as LockStore's).
 HANDOFF_TTL_MS = 30_000
 
-_FIXED = {"decode_responses": False, "protocol": 2}
-_DROPPED = ("retry", "connection_pool")
 #: Times one wait subscribes again after its subscription dropped.
 _RESUBSCRIPTIONS = 3
 
@@ -113,31 +110,11 @@ class AsyncLockStore:
                 "AsyncRedisLock supports a single Redis server (redis://, rediss://, unix://), "
                 "not an asyncio Sentinel client; use the sync RedisLock for Sentinel"
             )
-        kwargs = {
-            name: value
-            for name, value in connection_settings(pool.connection_kwargs).items()
-            if name not in _DROPPED
-        }
         self.renew_timeout = renew_timeout
         self.fence_ttl_ms = int(fence_ttl * 1000)
         #: The server takes ``SET NX GET`` (cleared at its first "syntax error").
         self._set_nx_get = True
-        encoding = kwargs.get("encoding", "utf-8")
-        self.where = (
-            f"unix://{kwargs['path']}"
-            if "path" in kwargs
-            else f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}"
-        )
-        connection_class = pool.connection_class
-
-        def maker(**overrides: Any) -> Callable[[], Any]:
-            settings = {**kwargs, **overrides, **_FIXED}
-            return lambda: connection_class(**settings)
-
-        short = {"socket_timeout": renew_timeout, "socket_connect_timeout": renew_timeout}
-        self.commands = AsyncEndpoint(maker(), 2, encoding)
-        self.releases = AsyncEndpoint(maker(**short), 1, encoding)
-        self.renewals = AsyncEndpoint(maker(**short), 0, encoding)
+        self.where, self.commands, self.releases, self.renewals = endpoints(pool, renew_timeout)
 
     def __repr__(self) -> str:
         return f"<AsyncLockStore {self.where}>"

@@ -9,8 +9,9 @@ else that ends an exchange (``CancelledError``, a timeout, an error) closes
 it at once, without awaiting, so no later command can read an earlier
 command's reply.
 
-Connections are ``redis.asyncio`` connections; they belong to the event loop
-that made them, so each loop has its own idle set.
+Connections are ``redis.asyncio`` connections made from the client's pool
+settings (RESP2, raw bytes, no retry inside ``connect()``); they belong to
+the event loop that made them, so each loop has its own idle set.
 """
 
 from __future__ import annotations
@@ -26,12 +27,14 @@ from typing import Any, TypeVar, cast
 from redis.exceptions import ConnectionError, NoScriptError, ResponseError, TimeoutError
 
 from celery_redislock.resp import Script, evals_after_noscript, pack_command, raise_error_reply
+from celery_redislock.transport import connection_settings
 
 __all__ = [
     "AsyncEndpoint",
     "AsyncSubscription",
     "Exchange",
     "drop_connection",
+    "endpoints",
     "script_exchange",
     "script_many_exchange",
     "send_and_read",
@@ -41,6 +44,9 @@ T = TypeVar("T")
 
 #: An exchange: send on a connection, read every reply, return the result.
 Exchange = Callable[[Any], Awaitable[T]]
+
+_FIXED = {"decode_responses": False, "protocol": 2}
+_DROPPED = ("retry", "connection_pool")
 
 
 def drop_connection(connection: Any) -> None:
@@ -233,6 +239,41 @@ class AsyncEndpoint:
             except BaseException:
                 drop_connection(connection)
                 raise
+
+
+def endpoints(
+    pool: Any, renew_timeout: float
+) -> tuple[str, AsyncEndpoint, AsyncEndpoint, AsyncEndpoint]:
+    """Where ``pool``'s server is, and its endpoints: commands, releases, renewals.
+
+    As the sync store's: the commands' with the client's timeouts (two
+    retries); the releases' (one retry) and the renewals' (none) with
+    ``renew_timeout``.
+    """
+    kwargs = {
+        name: value
+        for name, value in connection_settings(pool.connection_kwargs).items()
+        if name not in _DROPPED
+    }
+    encoding = kwargs.get("encoding", "utf-8")
+    where = (
+        f"unix://{kwargs['path']}"
+        if "path" in kwargs
+        else f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}"
+    )
+    connection_class = pool.connection_class
+
+    def maker(**overrides: Any) -> Callable[[], Any]:
+        settings = {**kwargs, **overrides, **_FIXED}
+        return lambda: connection_class(**settings)
+
+    short = {"socket_timeout": renew_timeout, "socket_connect_timeout": renew_timeout}
+    return (
+        where,
+        AsyncEndpoint(maker(), 2, encoding),
+        AsyncEndpoint(maker(**short), 1, encoding),
+        AsyncEndpoint(maker(**short), 0, encoding),
+    )
 
 
 async def send_and_read(connection: Any, packed: bytes, replies: int) -> list[Any]:

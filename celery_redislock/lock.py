@@ -11,13 +11,12 @@ from typing import Any, TypeVar
 
 import redis
 
-from celery_redislock._clock import clock
 from celery_redislock.exceptions import LockBackendError, LockContended, LockNotOwned
 from celery_redislock.lease import LockHandle, release_completely
 from celery_redislock.outcomes import AcquireResult, ReleaseOutcome
 from celery_redislock.owners import Hold, Holds, thread_owner
 from celery_redislock.standalone import _UNSETTLED as _UNSETTLED  # imported from here
-from celery_redislock.standalone import StandaloneLock, _note_unsettled, _unsettled
+from celery_redislock.standalone import StandaloneLock, _note_unsettled
 from celery_redislock.store import LockStore
 from celery_redislock.takeback import take_back_value
 
@@ -132,19 +131,10 @@ class RedisLock(StandaloneLock[LockHandle, LockStore]):
             # The renewer holds it strongly: the hold, not this object, keeps
             # it (another RedisLock of the same name may release it).
             scoped = False
-        elif self.handle is not None and not self.handle.released:
-            raise RuntimeError(f"RedisLock {self.name!r} is already held by this object")
-        blocking = self.blocking if blocking is None else blocking
-        timeout = self.timeout if timeout is None else timeout
-        value, ttl_ms = self._new_value()
-        started = clock()
+        blocking, timeout, value, ttl_ms, started, adopt = self._new_try(blocking, timeout)
         handle: LockHandle | None = None
-        adopt = _unsettled(self.backend, self.name)
         try:
-            if not blocking:
-                result = self.backend.acquire(self.name, value, ttl_ms, adopt)
-            else:
-                result = _acquire_blocking(self.backend, self.name, value, ttl_ms, timeout, adopt)
+            result = _acquire_blocking(self, value, ttl_ms, blocking, timeout, adopt)
             if not result.acquired:
                 self._contended(result)
                 return False
@@ -331,16 +321,17 @@ class RedisLock(StandaloneLock[LockHandle, LockStore]):
 
 
 def _acquire_blocking(
-    backend: LockStore,
-    name: str,
+    lock: RedisLock,
     value: str,
     ttl_ms: int,
+    blocking: bool,
     timeout: float | None,
     adopt: tuple[str, ...],
 ) -> AcquireResult:
-    """Acquire, then wait (woken by the holder's release) up to ``timeout`` (``None``: for ever)."""
+    """Acquire; blocking, wait (woken by the release) up to ``timeout`` (``None``: for ever)."""
+    backend, name = lock.backend, lock.name
     result = backend.acquire(name, value, ttl_ms, adopt)
-    if result.acquired or (timeout is not None and timeout <= 0):
+    if not blocking or result.acquired or (timeout is not None and timeout <= 0):
         return result
     if timeout is not None:
         return backend.acquire_waiting(name, value, ttl_ms, timeout, adopt)

@@ -82,6 +82,10 @@ class StandaloneLock(Generic[H, S]):
     _owner_name = "the calling thread"
     #: This process's reentrant holds of this kind of lock (see ``owners.py``).
     _holds: Holds[H]
+    #: The owner token of the caller (a thread, or an asyncio task).
+    _owner: Callable[[], object]
+    #: The store shared by every lock on a client's connection pool.
+    _shared_store: Callable[[Any], S]
 
     def __init__(
         self,
@@ -106,14 +110,6 @@ class StandaloneLock(Generic[H, S]):
         self.backend: S = self._shared_store(client) if store is None else store
         self.handle: H | None = None
         self._last_contention = _NO_CONTENTION
-
-    def _shared_store(self, client: Any) -> S:
-        """The store shared by every lock on ``client``'s connection pool."""
-        raise NotImplementedError
-
-    def _owner(self) -> object:
-        """The owner token of the caller (a thread, or an asyncio task)."""
-        raise NotImplementedError
 
     def __repr__(self) -> str:
         return f"<{self._kind} {self.name!r} {'held' if self.owned else 'free'}>"
@@ -180,10 +176,25 @@ class StandaloneLock(Generic[H, S]):
                 self.name, f"the outer acquisition was lost ({hold.handle.lost_reason})"
             )
 
-    def _new_value(self) -> tuple[str, int]:
-        """A new acquisition's value and TTL in milliseconds."""
+    def _new_try(
+        self, blocking: bool | None, timeout: float | None
+    ) -> tuple[bool, float | None, str, int, float, tuple[str, ...]]:
+        """A new outermost acquire: its blocking, timeout, value, TTL in ms, start, adopt.
+
+        Raises:
+            RuntimeError: this (non-reentrant) object already holds the lock.
+        """
+        if not self.reentrant and self.handle is not None and not self.handle.released:
+            raise RuntimeError(f"{self._kind} {self.name!r} is already held by this object")
         value = LockValue.new_encoded(LockOwner.current(None, 0, None), self.name)
-        return value, max(int(self.ttl * 1000), 1)
+        return (
+            self.blocking if blocking is None else blocking,
+            self.timeout if timeout is None else timeout,
+            value,
+            max(int(self.ttl * 1000), 1),
+            clock(),
+            _unsettled(self.backend, self.name),
+        )
 
     def _keep(self, handle: H, owner: object) -> None:
         """Record a granted acquisition (reentrant: as ``owner``'s outermost hold)."""

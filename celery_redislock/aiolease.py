@@ -1,8 +1,7 @@
 """A held asyncio lock: :class:`AsyncLockHandle`, from grant to release.
 
-The asyncio twin of :class:`~celery_redislock.lease.LockHandle`: the same
-lease (:class:`~celery_redislock.leasing.Lease`), renewed by its event loop's
-renewer task (:mod:`celery_redislock.aiorenewer`), released awaited.
+The asyncio twin of ``LockHandle``: the same lease, renewed by its event
+loop's renewer task, released awaited.
 """
 
 from __future__ import annotations

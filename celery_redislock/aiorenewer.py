@@ -1,10 +1,8 @@
 """One renewer task per event loop keeps all of that loop's held asyncio locks alive.
 
-Every TTL/3, in one round trip per store per tick (the sync renewer's rule,
-:mod:`celery_redislock.renewer`, and its reading of the replies,
-:mod:`celery_redislock.leasing`). The task exists only while the loop
-holds a lock, and a loop shut down by ``asyncio.run`` cancels it like any
-other task.
+Every TTL/3, in one round trip per store per tick. The task exists only
+while the loop holds a lock, and a loop shut down by ``asyncio.run``
+cancels it like any other task.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """A held lock's lease and what its replies mean: shared by every handle and renewer (no I/O).
 
-The task lock's and the standalone lock's :class:`~celery_redislock.lease.LockHandle`
-and the asyncio :class:`~celery_redislock.aiolease.AsyncLockHandle` are both a
-:class:`Lease`: the same validity and renewal arithmetic, the same reading of
-an extend's or a renewal's reply, the same log lines and signals. Their
-modules only do the I/O (blocking, or awaited), as the renewer thread
-(:mod:`celery_redislock.renewer`) and the asyncio renewer task
-(:mod:`celery_redislock.aiorenewer`) do with :func:`renewal_failed` and
-:func:`renewal_replied`.
+``LockHandle`` and ``AsyncLockHandle`` are both a :class:`Lease` (one
+arithmetic, one reading of the replies, the same logs and signals); their
+modules and the two renewers only do the I/O, blocking or awaited.
 """
 
 from __future__ import annotations

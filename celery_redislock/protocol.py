@@ -1,9 +1,7 @@
 """What the lock sends and what its replies mean: shared by the sync and asyncio stores (no I/O).
 
-The KEYS and ARGV of the scripts both stores run (:func:`release_call`,
-:func:`renew_call`), how a reply reads (:func:`decode_text`), what a
-redis-py error means to the caller (:func:`backend_error`), and who is told
-of a hand-over (:func:`hand_off`).
+The scripts' KEYS and ARGV, how a reply and a redis-py error read, who is
+told of a hand-over.
 
 A free key is taken with ``SET key value NX PX ttl GET`` (:func:`set_nx_get`):
 its reply is ``None`` when it took the key, else the value found there

@@ -1,11 +1,8 @@
 """What the standalone locks share: arguments, reentrant holds, contention, a grant's bookkeeping.
 
-:class:`~celery_redislock.lock.RedisLock` and
-:class:`~celery_redislock.aiolock.AsyncRedisLock` are both a
-:class:`StandaloneLock`, with no I/O here: their modules send (blocking, or
-awaited) and keep each its own acquire and release path, whose every line
-the tests interrupt. The values of acquires that timed out (to take over)
-are kept here for both: the same rule, two store types.
+``RedisLock`` and ``AsyncRedisLock`` are both a :class:`StandaloneLock`;
+their modules do the I/O and keep each its own acquire and release path
+(whose every line the tests interrupt).
 """
 
 from __future__ import annotations

@@ -2,19 +2,11 @@
 
 Every lock operation is one round trip over :mod:`celery_redislock.transport`:
 ``SET NX PX GET`` to take a free key, a single ``EVALSHA`` otherwise, or one
-pipeline of them for batched renewal. :class:`LockStore` is built from one
-class per job, each in its module:
-
-* :mod:`~celery_redislock.store_connections`: the three sets of connections
-  (commands, releases, renewals) and the scripts run over them;
-* :mod:`~celery_redislock.store_release`: release, hand-over, slot release;
-* :mod:`~celery_redislock.store_acquire`: acquire, fence, extend, renew;
-* :mod:`~celery_redislock.store_slots`: ``lock_limit`` slots, blocking waits;
-* :mod:`~celery_redislock.store_parking`: park (hand-off, coalescing), debounce;
-* here: the store shared per client, the start-up check, inspection.
-
-The result types are :mod:`celery_redislock.outcomes`'; what is sent and
-what a reply means, :mod:`celery_redislock.protocol`'s (both re-exported).
+pipeline of them for batched renewal. :class:`LockStore` is one class per
+job, each in its module (``store_connections``, ``store_release``,
+``store_acquire``, ``store_slots``, ``store_parking``), and here the store
+shared per client, the start-up check and inspection. It re-exports the
+result types (``outcomes``) and the call builders (``protocol``).
 """
 
 from __future__ import annotations

@@ -1,9 +1,4 @@
-"""Releasing a lock: compare-and-delete, the hand-over to a parked execution, slots.
-
-Every release runs on the releases' connections (short timeout, one retry)
-and may hand the key over: its reply then carries the message of the
-parked execution, published through the store's ``on_handoff``.
-"""
+"""Releasing a lock (or a slot): compare-and-delete, or a hand-over to a parked execution."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from celery_redislock.aiorenewer import AsyncRenewer, async_renewer
 from celery_redislock.aiostore import AsyncLockStore
-from celery_redislock.exceptions import LockBackendError, LockNotOwned
+from celery_redislock.exceptions import LockBackendError
 from celery_redislock.leasing import Lease
 from celery_redislock.outcomes import ReleaseOutcome
 
@@ -59,10 +59,8 @@ class AsyncLockHandle(Lease):
             LockNotOwned: the lock is no longer held (released, or lost).
             LockBackendError: Redis is unreachable.
         """
-        fence = self._fence
+        fence = self._known_fence()
         if fence is None:
-            if self.released:
-                raise LockNotOwned(self.key, "it was released")
             fence = self._fence_issued(await self.backend.fence(self.key, self.value))
         return fence
 

@@ -36,7 +36,7 @@ from celery_redislock.aiostore import AsyncLockStore
 from celery_redislock.exceptions import LockBackendError, LockContended, LockNotOwned
 from celery_redislock.outcomes import AcquireResult, ReleaseOutcome
 from celery_redislock.owners import Holds, task_owner
-from celery_redislock.standalone import StandaloneLock, _note_unsettled
+from celery_redislock.standalone import StandaloneLock, _note_unsettled, blocking_waits
 from celery_redislock.takeback import DELAYS
 
 __all__ = ["AsyncLockHandle", "AsyncRedisLock", "AsyncRenewer", "async_renewer"]
@@ -404,12 +404,9 @@ async def _acquire_blocking(
     adopt: tuple[str, ...],
 ) -> AcquireResult:
     """Acquire; blocking, wait (woken by the release) up to ``timeout`` (``None``: for ever)."""
-    backend, name = lock.backend, lock.name
-    result = await backend.acquire(name, value, ttl_ms, adopt)
-    if not blocking or result.acquired or (timeout is not None and timeout <= 0):
-        return result
-    if timeout is not None:
-        return await backend.acquire_waiting(name, value, ttl_ms, timeout, adopt)
-    while not result.acquired:  # as long as it takes, in bounded slices
-        result = await backend.acquire_waiting(name, value, ttl_ms, 60.0, adopt)
+    result = await lock.backend.acquire(lock.name, value, ttl_ms, adopt)
+    for wait in blocking_waits(result, blocking, timeout):
+        result = await lock.backend.acquire_waiting(lock.name, value, ttl_ms, wait, adopt)
+        if result.acquired:
+            break
     return result

@@ -16,7 +16,7 @@ from typing import Any
 
 from celery_redislock._process import current_pid
 from celery_redislock.abort import withdraw_abort
-from celery_redislock.exceptions import LockBackendError, LockNotOwned
+from celery_redislock.exceptions import LockBackendError
 from celery_redislock.leasing import Lease, report_lost
 from celery_redislock.outcomes import ReleaseOutcome
 from celery_redislock.renewer import native_lock, renewer
@@ -130,10 +130,8 @@ class LockHandle(Lease):
             LockNotOwned: the lock is no longer held (released, or lost).
             LockBackendError: Redis is unreachable.
         """
-        fence = self._fence
+        fence = self._known_fence()
         if fence is None:
-            if self.released:
-                raise LockNotOwned(self.key, "it was released")
             fence = self._fence_issued(self.backend.fence(self.key, self.value))
         return fence
 

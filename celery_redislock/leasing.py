@@ -87,6 +87,16 @@ class Lease:
         state = "released" if self.released else ("lost" if self.lost else "held")
         return f"<{type(self).__name__} {self.key!r} {state}>"
 
+    def _known_fence(self) -> int | None:
+        """The fence issued already (``None``: ask the store for one).
+
+        Raises:
+            LockNotOwned: none was issued and the lock was released.
+        """
+        if self._fence is None and self.released:
+            raise LockNotOwned(self.key, "it was released")
+        return self._fence
+
     def _fence_issued(self, fence: int | None) -> int:
         """The fence the store issued (``None``: the value was gone), kept from now on."""
         if fence is None:

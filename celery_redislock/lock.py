@@ -16,7 +16,7 @@ from celery_redislock.lease import LockHandle, release_completely
 from celery_redislock.outcomes import AcquireResult, ReleaseOutcome
 from celery_redislock.owners import Hold, Holds, thread_owner
 from celery_redislock.standalone import _UNSETTLED as _UNSETTLED  # imported from here
-from celery_redislock.standalone import StandaloneLock, _note_unsettled
+from celery_redislock.standalone import StandaloneLock, _note_unsettled, blocking_waits
 from celery_redislock.store import LockStore
 from celery_redislock.takeback import take_back_value
 
@@ -329,12 +329,9 @@ def _acquire_blocking(
     adopt: tuple[str, ...],
 ) -> AcquireResult:
     """Acquire; blocking, wait (woken by the release) up to ``timeout`` (``None``: for ever)."""
-    backend, name = lock.backend, lock.name
-    result = backend.acquire(name, value, ttl_ms, adopt)
-    if not blocking or result.acquired or (timeout is not None and timeout <= 0):
-        return result
-    if timeout is not None:
-        return backend.acquire_waiting(name, value, ttl_ms, timeout, adopt)
-    while not result.acquired:  # wait as long as it takes, in bounded slices
-        result = backend.acquire_waiting(name, value, ttl_ms, 60.0, adopt)
+    result = lock.backend.acquire(lock.name, value, ttl_ms, adopt)
+    for wait in blocking_waits(result, blocking, timeout):
+        result = lock.backend.acquire_waiting(lock.name, value, ttl_ms, wait, adopt)
+        if result.acquired:
+            break
     return result

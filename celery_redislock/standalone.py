@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
 from celery_redislock import signals
@@ -22,7 +22,7 @@ from celery_redislock.owners import Hold, Holds
 from celery_redislock.settings import validate_ttl
 from celery_redislock.tokens import LockOwner, LockValue
 
-__all__ = ["StandaloneLock"]
+__all__ = ["StandaloneLock", "blocking_waits"]
 
 H = TypeVar("H", bound=Lease)
 S = TypeVar("S")
@@ -68,6 +68,21 @@ def _settle(backend: Any, name: str, adopted: tuple[str, ...]) -> None:
             values.remove(value)
     if not values:
         per_name.pop(name, None)
+
+
+def blocking_waits(result: AcquireResult, blocking: bool, timeout: float | None) -> Iterator[float]:
+    """The waits for a release after a first acquire found ``result``, each up to so long.
+
+    None (not blocking, acquired, no time left); ``timeout`` once; or, with
+    no timeout, 60 s slices until acquired.
+    """
+    if not blocking or result.acquired or (timeout is not None and timeout <= 0):
+        return
+    if timeout is not None:
+        yield timeout
+        return
+    while True:  # wait as long as it takes, in bounded slices
+        yield 60.0
 
 
 class StandaloneLock(Generic[H, S]):

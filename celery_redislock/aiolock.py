@@ -210,7 +210,11 @@ class AsyncRedisLock(StandaloneLock[AsyncLockHandle, AsyncLockStore]):
         blocking, timeout, value, ttl_ms, started, adopt = self._new_try(blocking, timeout)
         handle: AsyncLockHandle | None = None
         try:
-            result = await _acquire_blocking(self, value, ttl_ms, blocking, timeout, adopt)
+            result = await self.backend.acquire(self.name, value, ttl_ms, adopt)
+            for wait in blocking_waits(result, blocking, timeout):  # woken by the release
+                result = await self.backend.acquire_waiting(self.name, value, ttl_ms, wait, adopt)
+                if result.acquired:
+                    break
             if not result.acquired:
                 self._contended(result)
                 return False
@@ -393,20 +397,3 @@ class AsyncRedisLock(StandaloneLock[AsyncLockHandle, AsyncLockStore]):
                 return await function(*args, **kwargs)
 
         return locked  # type: ignore[return-value]
-
-
-async def _acquire_blocking(
-    lock: AsyncRedisLock,
-    value: str,
-    ttl_ms: int,
-    blocking: bool,
-    timeout: float | None,
-    adopt: tuple[str, ...],
-) -> AcquireResult:
-    """Acquire; blocking, wait (woken by the release) up to ``timeout`` (``None``: for ever)."""
-    result = await lock.backend.acquire(lock.name, value, ttl_ms, adopt)
-    for wait in blocking_waits(result, blocking, timeout):
-        result = await lock.backend.acquire_waiting(lock.name, value, ttl_ms, wait, adopt)
-        if result.acquired:
-            break
-    return result

@@ -13,7 +13,7 @@ import redis
 
 from celery_redislock.exceptions import LockBackendError, LockContended, LockNotOwned
 from celery_redislock.lease import LockHandle, release_completely
-from celery_redislock.outcomes import AcquireResult, ReleaseOutcome
+from celery_redislock.outcomes import ReleaseOutcome
 from celery_redislock.owners import Hold, Holds, thread_owner
 from celery_redislock.standalone import _UNSETTLED as _UNSETTLED  # imported from here
 from celery_redislock.standalone import StandaloneLock, _note_unsettled, blocking_waits
@@ -134,7 +134,11 @@ class RedisLock(StandaloneLock[LockHandle, LockStore]):
         blocking, timeout, value, ttl_ms, started, adopt = self._new_try(blocking, timeout)
         handle: LockHandle | None = None
         try:
-            result = _acquire_blocking(self, value, ttl_ms, blocking, timeout, adopt)
+            result = self.backend.acquire(self.name, value, ttl_ms, adopt)
+            for wait in blocking_waits(result, blocking, timeout):  # woken by the release
+                result = self.backend.acquire_waiting(self.name, value, ttl_ms, wait, adopt)
+                if result.acquired:
+                    break
             if not result.acquired:
                 self._contended(result)
                 return False
@@ -318,20 +322,3 @@ class RedisLock(StandaloneLock[LockHandle, LockStore]):
                 return function(*args, **kwargs)
 
         return locked  # type: ignore[return-value]
-
-
-def _acquire_blocking(
-    lock: RedisLock,
-    value: str,
-    ttl_ms: int,
-    blocking: bool,
-    timeout: float | None,
-    adopt: tuple[str, ...],
-) -> AcquireResult:
-    """Acquire; blocking, wait (woken by the release) up to ``timeout`` (``None``: for ever)."""
-    result = lock.backend.acquire(lock.name, value, ttl_ms, adopt)
-    for wait in blocking_waits(result, blocking, timeout):
-        result = lock.backend.acquire_waiting(lock.name, value, ttl_ms, wait, adopt)
-        if result.acquired:
-            break
-    return result

@@ -9,8 +9,8 @@ instead of blocking the event loop.
   holder's remaining TTL as the fallback, never by polling.
 * One renewer task per event loop keeps all of that loop's held locks
   alive, every TTL/3, in one round trip per store per tick
-  (:mod:`celery_redislock.aiorenewer`); each held lock is an
-  :class:`~celery_redislock.aiolease.AsyncLockHandle`.
+  (``aiorenewer.py``); each held lock is an :class:`AsyncLockHandle`
+  (``aiolease.py``).
 * Cancellation lands only at an ``await``. One that lands between sending
   the acquire and reading its reply closes that connection at once (see
   :mod:`celery_redislock.aiostore`) and takes back exactly the value it

@@ -5,8 +5,8 @@ The asyncio counterpart of :mod:`celery_redislock.store`, used by
 :mod:`celery_redislock.scripts` (same SHA1s), on the same keys, with values in
 the format of :mod:`celery_redislock.tokens`: a sync and an async lock of the
 same name exclude each other. What it sends and what a reply means are
-:mod:`celery_redislock.protocol`'s, shared with the sync store; its
-connections are :mod:`celery_redislock.aiotransport`'s.
+``protocol.py``'s, shared with the sync store; its connections are
+``aiotransport.py``'s.
 
 A single server only (``redis://``, ``rediss://``, ``unix://``): an asyncio cluster or
 Sentinel client is refused with a clear error.
@@ -306,7 +306,7 @@ class AsyncLockStore:
         """Release as :meth:`LockStore.do_release` does; return its reply (1, 0 or -1).
 
         A lost reply (or ``resent``) makes the next attempt a retry, as
-        there (:class:`~celery_redislock.protocol.ReleaseAttempts`). If the
+        there (``protocol.ReleaseAttempts``). If the
         release handed the key to a task execution parked on it (a task's
         ``HandOff`` policy on the same key name), this store cannot publish
         its message: a worker's sweep hands the call the key again once the

@@ -23,7 +23,7 @@ retry inside ``connect()``. Retrying is done once, here,
 around the whole exchange, with the client's retry policy; redis-py's
 connect retries inside it would multiply the time to give up on a frozen
 server (measured: 45 s for an acquire with 5 s timeouts and 2 retries).
-The bytes on the wire are :mod:`celery_redislock.resp`'s.
+The bytes on the wire are ``resp.py``'s.
 """
 
 from __future__ import annotations

@@ -14,24 +14,18 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from celery_redislock import signals
-from celery_redislock._clock import clock
 from celery_redislock._process import current_pid
 from celery_redislock.abort import withdraw_abort
-from celery_redislock.exceptions import LockBackendError, LockNotOwned
+from celery_redislock.exceptions import LockBackendError
+from celery_redislock.leasing import Lease, report_lost
+from celery_redislock.outcomes import ReleaseOutcome
 from celery_redislock.renewer import native_lock, renewer
-from celery_redislock.settings import validate_ttl
-from celery_redislock.store import LockStore, ReleaseOutcome, RenewOutcome
+from celery_redislock.store import LockStore
 
 __all__ = ["LockHandle", "release_completely", "report_lost"]
 
 # The logger keeps the name the docs document (the module was lock.py).
 logger = logging.getLogger("celery_redislock.lock")
-
-# Redis expiry and our clock can drift apart a little; treat the lock as
-# valid locally for slightly less than Redis does (Redlock's drift rule).
-_DRIFT_FACTOR = 0.01
-_DRIFT_FLOOR = 0.002
 
 
 def _dropped_while_held(pid: int, backend: LockStore, key: str, value: str, ttl: float) -> None:
@@ -44,7 +38,7 @@ def _dropped_while_held(pid: int, backend: LockStore, key: str, value: str, ttl:
         renewer().abandon(backend, key, value, ttl)
 
 
-class LockHandle:
+class LockHandle(Lease):
     """One acquisition of a lock, from grant to release.
 
     It is what a running task sees as ``self.lock``. The token (the whole
@@ -67,6 +61,8 @@ class LockHandle:
             ``"expired_locally"``), or ``None`` while it is held.
     """
 
+    backend: LockStore
+
     def __init__(
         self,
         backend: LockStore,
@@ -81,23 +77,7 @@ class LockHandle:
         renew: bool = True,
         fence: int | None = None,
     ) -> None:
-        self.backend = backend
-        self._fence = fence
-        self.fenced = fence is not None
-        self.key = key
-        self.value = value
-        self.ttl = ttl
-        self.ttl_ms = max(int(ttl * 1000), 1)
-        self.task_name = task_name
-        self.task_id = task_id
-        self.sender = sender
-        self.acquired_at = granted_at
-        self.renew_period = ttl / 3
-        self.renew_at = granted_at + self.renew_period
-        self.valid_until = self._validity_from(granted_at)
-        self.lost_reason: str | None = None
-        #: True once the holder started to release (renewal and aborts stop).
-        self.released = False
+        super().__init__(backend, key, value, ttl, granted_at, task_name, task_id, sender, fence)
         #: True once the execution holding it has ended: no abort may reach it.
         self.finished = False
         #: Taken by whoever sends an abort and by :meth:`finish`, so an abort
@@ -105,13 +85,8 @@ class LockHandle:
         self.abort_guard = native_lock()
         #: Thread an asynchronous abort was sent to (lock_on_lost="abort").
         self.abort_sent_to: int | None = None
-        self.renewals = 0
-        self._release_done = False
-        self._release_sent = False
-        self._pid = current_pid()
         self._renewing = False
         self._dropped: weakref.finalize[Any, Any] | None = None
-        self._on_lost: list[Callable[[LockHandle], None]] = []
         if renew:
             self.start_renewal()
 
@@ -144,12 +119,8 @@ class LockHandle:
                 self._dropped = dropped
             renewer().register(self, scoped=scoped)
 
-    def __repr__(self) -> str:
-        state = "released" if self.released else ("lost" if self.lost else "held")
-        return f"<LockHandle {self.key!r} {state}>"
-
-    def _validity_from(self, sent_at: float) -> float:
-        return sent_at + self.ttl * (1 - _DRIFT_FACTOR) - _DRIFT_FLOOR
+    def _named(self) -> tuple[str, tuple[Any, ...]]:
+        return "lock %s of %s[%s]", (self.key, self.task_name, self.task_id)
 
     @property
     def fence(self) -> int:
@@ -159,65 +130,17 @@ class LockHandle:
             LockNotOwned: the lock is no longer held (released, or lost).
             LockBackendError: Redis is unreachable.
         """
-        fence = self._fence
+        fence = self._known_fence()
         if fence is None:
-            if self.released:
-                raise LockNotOwned(self.key, "it was released")
-            fence = self.backend.fence(self.key, self.value)
-            if fence is None:
-                raise LockNotOwned(self.key, "it no longer holds this acquisition's value")
-            self._fence, self.fenced = fence, True
+            fence = self._fence_issued(self.backend.fence(self.key, self.value))
         return fence
 
-    @property
-    def lost(self) -> bool:
-        """True once the renewer found the lock gone or taken over."""
-        return self.lost_reason is not None
-
-    @property
-    def owned(self) -> bool:
-        """True while held: not released, not lost, and within its validity.
-
-        This is a local check with no round trip; it turns False as soon as
-        the last confirmed grant or renewal is older than the TTL.
-        """
-        return not self.released and not self.lost and clock() < self.valid_until
-
-    @property
-    def held_for(self) -> float:
-        """Seconds since the lock was granted."""
-        return clock() - self.acquired_at
-
-    def on_lost(self, callback: Callable[[LockHandle], None]) -> None:
-        """Call ``callback(handle)`` from the renewer thread if the lock is lost.
-
-        The callback must not block; exceptions it raises are logged.
-        """
-        self._on_lost.append(callback)
-
-    def _renewed(self, sent_at: float) -> None:
-        if self.released or self.lost:
-            return
-        self.renewals += 1
-        self.valid_until = self._validity_from(sent_at)
-        self.renew_at = sent_at + self.renew_period
-        signals.lock_renewed.send(
-            sender=self.sender,
-            key=self.key,
-            task_name=self.task_name,
-            task_id=self.task_id,
-            held=self.held_for,
-        )
-
-    def _mark_lost(self, reason: str) -> None:
-        if self.released or self.lost:
-            return
-        self.lost_reason = reason
+    def _stop_renewal(self) -> None:
+        # Lost: the value is gone.
         renewer().unregister(self)
         self._renewing = False
         if self._dropped is not None:
             self._dropped.detach()  # the value is gone: nothing to take back
-        report_lost(self, reason, self._on_lost)
 
     def extend(self, ttl: float | None = None) -> None:
         """Reset the lock's TTL now (to ``ttl`` seconds, default the lock's TTL).
@@ -226,20 +149,9 @@ class LockHandle:
             LockNotOwned: the lock is no longer ours (it is marked lost).
             LockBackendError: Redis is unreachable.
         """
-        if self.released:
-            raise LockNotOwned(self.key, "it was released")
-        if ttl is not None:
-            self.ttl = validate_ttl(ttl, "ttl")
-            self.ttl_ms = max(int(self.ttl * 1000), 1)
-            self.renew_period = self.ttl / 3
-        sent_at = clock()
+        sent_at = self._extending(ttl)
         outcome = self.backend.extend(self.key, self.value, self.ttl_ms, self.fenced)
-        if outcome is RenewOutcome.RENEWED:
-            self.valid_until = self._validity_from(sent_at)
-            self.renew_at = sent_at + self.renew_period
-            return
-        self._mark_lost("gone" if outcome is RenewOutcome.GONE else "stolen")
-        raise LockNotOwned(self.key, f"it is {self.lost_reason}")
+        self._extended(outcome, sent_at)
 
     def finish(self) -> None:
         """Mark the execution that holds this lock as ended; withdraw an undelivered abort.
@@ -272,15 +184,7 @@ class LockHandle:
             released, another process, or Redis unreachable: the TTL then
             frees the lock).
         """
-        if self._release_done:
-            return None
-        if self._pid != current_pid():
-            logger.warning(
-                "not releasing lock %s from pid %d: it was acquired by pid %d",
-                self.key,
-                current_pid(),
-                self._pid,
-            )
+        if not self._may_release():
             return None
         self.finish()
         self.released = True
@@ -302,74 +206,10 @@ class LockHandle:
                     self.key, self.value, keep, max(int(keep_for * 1000), 1), self.fenced, resent
                 )
         except LockBackendError as exc:
-            self._release_done = True
-            logger.error(
-                "could not release lock %s of %s[%s]; it expires within %.1fs: %s",
-                self.key,
-                self.task_name,
-                self.task_id,
-                self.ttl,
-                exc,
-            )
+            self._release_failed(exc)
             return None
-        self._release_done = True
-        if outcome is ReleaseOutcome.NOT_OURS:
-            logger.warning(
-                "lock %s of %s[%s] was no longer ours at release (held %.3fs); "
-                "another holder has it and was left alone",
-                self.key,
-                self.task_name,
-                self.task_id,
-                self.held_for,
-            )
-        elif outcome is ReleaseOutcome.ALREADY_GONE and not self.lost:
-            logger.warning(
-                "lock %s of %s[%s] had already expired at release (held %.3fs)",
-                self.key,
-                self.task_name,
-                self.task_id,
-                self.held_for,
-            )
-        signals.lock_released.send(
-            sender=self.sender,
-            key=self.key,
-            task_name=self.task_name,
-            task_id=self.task_id,
-            held=self.held_for,
-            outcome="kept"
-            if keep is not None and outcome is ReleaseOutcome.RELEASED
-            else outcome.name.lower(),
-        )
+        self._report_release(outcome, kept=keep is not None)
         return outcome
-
-
-def report_lost(handle: Any, reason: str, callbacks: list[Callable[[Any], None]]) -> None:
-    """Report a lost lock: the ERROR log, ``lock_lost``, then each callback.
-
-    Every kind of handle (task, standalone, asyncio) reports a loss through
-    this, once, so operators see the same log line and signal for all.
-    """
-    logger.error(
-        "lock %s of %s[%s] was lost (%s) after %.3fs; another execution may now run",
-        handle.key,
-        handle.task_name,
-        handle.task_id,
-        reason,
-        handle.held_for,
-    )
-    signals.lock_lost.send(
-        sender=handle.sender,
-        key=handle.key,
-        task_name=handle.task_name,
-        task_id=handle.task_id,
-        reason=reason,
-        held=handle.held_for,
-    )
-    for callback in callbacks:
-        try:
-            callback(handle)
-        except Exception:
-            logger.exception("lock-lost callback %r raised", callback)
 
 
 def release_completely(release: Callable[[], Any]) -> None:

@@ -2,31 +2,23 @@
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
 import inspect
 import logging
-import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import redis
 
-from celery_redislock import signals
-from celery_redislock._clock import clock
-from celery_redislock.exceptions import (
-    ConfigurationError,
-    LockBackendError,
-    LockContended,
-    LockNotOwned,
-)
+from celery_redislock.exceptions import LockBackendError, LockContended, LockNotOwned
 from celery_redislock.lease import LockHandle, release_completely
+from celery_redislock.outcomes import ReleaseOutcome
 from celery_redislock.owners import Hold, Holds, thread_owner
-from celery_redislock.settings import validate_ttl
-from celery_redislock.store import AcquireResult, LockStore, ReleaseOutcome
+from celery_redislock.standalone import _UNSETTLED as _UNSETTLED  # imported from here
+from celery_redislock.standalone import StandaloneLock, _note_unsettled, blocking_waits
+from celery_redislock.store import LockStore
 from celery_redislock.takeback import take_back_value
-from celery_redislock.tokens import LockOwner, LockValue
 
 __all__ = ["RedisLock"]
 
@@ -34,53 +26,11 @@ logger = logging.getLogger("celery_redislock.lock")
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-# Values this process's standalone locks sent in acquires that timed out,
-# per lock store and name: their scripts may have run after all. Bounded;
-# weak per store, so a dropped client takes its entries along.
-# (The async store keeps its values here too: the same rule, another store type.)
-_UNSETTLED: weakref.WeakKeyDictionary[Any, dict[str, collections.deque[str]]] = (
-    weakref.WeakKeyDictionary()
-)
-_MAX_UNSETTLED = 8
-
 # The reentrant locks' holds of this process, per thread (see owners.py).
 _HOLDS: Holds[LockHandle] = Holds()
 
 
-#: No contention seen yet (immutable, so one instance serves every lock).
-_NO_CONTENTION = AcquireResult(False)
-
-
-def _unsettled(backend: Any, name: str) -> tuple[str, ...]:
-    """Values of ``name``'s acquires that timed out in this process (to take over)."""
-    per_name = _UNSETTLED.get(backend)
-    return tuple(per_name.get(name, ())) if per_name is not None else ()
-
-
-def _note_unsettled(backend: Any, name: str, value: str) -> None:
-    per_name = _UNSETTLED.get(backend)
-    if per_name is None:
-        per_name = _UNSETTLED.setdefault(backend, {})
-    values = per_name.get(name)
-    if values is None:
-        values = per_name.setdefault(name, collections.deque(maxlen=_MAX_UNSETTLED))
-    values.append(value)
-
-
-def _settle(backend: Any, name: str, adopted: tuple[str, ...]) -> None:
-    """Forget the ``adopted`` values: an acquire took them over (or found them gone)."""
-    per_name = _UNSETTLED.get(backend)
-    values = None if per_name is None else per_name.get(name)
-    if per_name is None or values is None:
-        return
-    for value in adopted:  # not clear(): another thread may have added one since
-        with contextlib.suppress(ValueError):
-            values.remove(value)
-    if not values:
-        per_name.pop(name, None)
-
-
-class RedisLock:
+class RedisLock(StandaloneLock[LockHandle, LockStore]):
     """A token-owned, renewed Redis lock for code outside Celery tasks.
 
     It uses the same scripts and the same renewer as the task lock::
@@ -130,59 +80,16 @@ class RedisLock:
         store: LockStore | None = None,
         reentrant: bool = False,
     ) -> None:
-        if not isinstance(name, str) or not name:
-            raise ConfigurationError(f"RedisLock name must be a non-empty str, got {name!r}")
-        self.name = name
-        self.ttl = validate_ttl(ttl, "RedisLock ttl")
-        self.renew = renew
-        self.blocking = blocking
-        self.timeout = timeout
-        self.client = client
-        self.backend = LockStore.for_client(client) if store is None else store
-        self.reentrant = reentrant
-        self.handle: LockHandle | None = None
-        self._last_contention = _NO_CONTENTION
+        super().__init__(client, name, ttl, renew, blocking, timeout, store, reentrant)
 
-    def __repr__(self) -> str:
-        return f"<RedisLock {self.name!r} {'held' if self.owned else 'free'}>"
-
-    def _hold(self) -> Hold[LockHandle] | None:
-        return _HOLDS.get(self.backend, self.name, thread_owner())
-
-    def _current(self) -> LockHandle | None:
-        if not self.reentrant:
-            return self.handle
-        hold = self._hold()
-        return None if hold is None else hold.handle
-
-    @property
-    def owned(self) -> bool:
-        """True while this object (reentrant: the calling thread) holds the lock.
-
-        A local check, no round trip.
-        """
-        handle = self._current()
-        return handle is not None and handle.owned
-
-    @property
-    def lost(self) -> bool:
-        """True when the renewer found the lock gone or taken over while held."""
-        handle = self._current()
-        return handle is not None and handle.lost
+    _holds, _owner = _HOLDS, staticmethod(thread_owner)
+    _shared_store = staticmethod(LockStore.for_client)
 
     @property
     def fence(self) -> int | None:
         """Fencing token of the current (outermost) acquisition (``None`` when not held)."""
         handle = self._current()
         return None if handle is None else handle.fence
-
-    @property
-    def depth(self) -> int:
-        """Reentrant: how many times the calling thread holds it (0 when not held)."""
-        if not self.reentrant:
-            return 1 if self.handle is not None and not self.handle.released else 0
-        hold = self._hold()
-        return 0 if hold is None else hold.depth
 
     def acquire(self, blocking: bool | None = None, timeout: float | None = None) -> bool:
         """Take the lock.
@@ -209,10 +116,7 @@ class RedisLock:
         return self._acquire(blocking, timeout, scoped=False)
 
     def _acquire_nested(self, hold: Hold[LockHandle]) -> bool:
-        if hold.handle.lost:
-            raise LockNotOwned(
-                self.name, f"the outer acquisition was lost ({hold.handle.lost_reason})"
-            )
+        self._check_nested(hold)
         hold.handle.extend()  # still ours? (raises LockNotOwned, marked lost, if not)
         hold.depth += 1
         return True
@@ -221,26 +125,20 @@ class RedisLock:
         owner: object = None
         if self.reentrant:
             owner = thread_owner()
-            hold = _HOLDS.get(self.backend, self.name, owner)
+            hold = self._holds.get(self.backend, self.name, owner)
             if hold is not None:
                 return self._acquire_nested(hold)
             # The renewer holds it strongly: the hold, not this object, keeps
             # it (another RedisLock of the same name may release it).
             scoped = False
-        elif self.handle is not None and not self.handle.released:
-            raise RuntimeError(f"RedisLock {self.name!r} is already held by this object")
-        blocking = self.blocking if blocking is None else blocking
-        timeout = self.timeout if timeout is None else timeout
-        value = LockValue.new_encoded(LockOwner.current(None, 0, None), self.name)
-        ttl_ms = max(int(self.ttl * 1000), 1)
-        started = clock()
+        blocking, timeout, value, ttl_ms, started, adopt = self._new_try(blocking, timeout)
         handle: LockHandle | None = None
-        adopt = _unsettled(self.backend, self.name)
         try:
-            if not blocking:
-                result = self.backend.acquire(self.name, value, ttl_ms, adopt)
-            else:
-                result = self._acquire_blocking(value, ttl_ms, timeout, adopt)
+            result = self.backend.acquire(self.name, value, ttl_ms, adopt)
+            for wait in blocking_waits(result, blocking, timeout):  # woken by the release
+                result = self.backend.acquire_waiting(self.name, value, ttl_ms, wait, adopt)
+                if result.acquired:
+                    break
             if not result.acquired:
                 self._contended(result)
                 return False
@@ -256,22 +154,10 @@ class RedisLock:
                 renew=False,
                 fence=result.fence,
             )
-            if self.reentrant:
-                _HOLDS.add(self.backend, self.name, owner, handle)
-            else:
-                self.handle = handle
+            self._keep(handle, owner)
             if self.renew:
                 handle.start_renewal(scoped)
-            if adopt:
-                _settle(self.backend, self.name, adopt)
-            signals.lock_acquired.send(
-                sender=self,
-                key=self.name,
-                task_name=self.name,
-                task_id=None,
-                waited=clock() - started,
-                fence=result.fence,
-            )
+            self._announce(adopt, started, result.fence)
         except LockBackendError:
             # A timeout is not a refusal: the script may still run once Redis
             # answers. The next acquire of this name in this process takes
@@ -287,7 +173,7 @@ class RedisLock:
             # did not report. Take it back out, then re-raise.
             self.handle = None
             if self.reentrant and handle is not None:
-                _HOLDS.remove(self.backend, self.name, owner, handle)
+                self._holds.remove(self.backend, self.name, owner, handle)
             if handle is not None:
                 release_completely(handle.release)
             else:
@@ -298,30 +184,6 @@ class RedisLock:
                 take_back_value(self.backend, self.name, value, now=False)
             raise
         return True
-
-    def _acquire_blocking(
-        self, value: str, ttl_ms: int, timeout: float | None, adopt: tuple[str, ...]
-    ) -> AcquireResult:
-        result = self.backend.acquire(self.name, value, ttl_ms, adopt)
-        if result.acquired or (timeout is not None and timeout <= 0):
-            return result
-        if timeout is not None:
-            return self.backend.acquire_waiting(self.name, value, ttl_ms, timeout, adopt)
-        while not result.acquired:  # wait as long as it takes, in bounded slices
-            result = self.backend.acquire_waiting(self.name, value, ttl_ms, 60.0, adopt)
-        return result
-
-    def _contended(self, result: AcquireResult) -> None:
-        signals.lock_contended.send(
-            sender=self,
-            key=self.name,
-            task_name=self.name,
-            task_id=None,
-            holder_task_id=result.holder_task_id,
-            ttl_remaining=result.known_ttl,
-            policy="not_acquired",
-        )
-        self._last_contention = result
 
     def release(self) -> ReleaseOutcome | None:
         """Release the lock if held; never raises a Redis error. See :meth:`LockHandle.release`.
@@ -377,12 +239,7 @@ class RedisLock:
             LockNotOwned: the calling thread does not hold it.
         """
         owner = thread_owner()
-        hold = _HOLDS.get(self.backend, self.name, owner)
-        if hold is None:
-            raise LockNotOwned(
-                self.name,
-                "the calling thread does not hold it (released more times than acquired?)",
-            )
+        hold = self._own_hold(owner)
         depth = hold.depth
 
         def step() -> ReleaseOutcome | None:
@@ -392,7 +249,7 @@ class RedisLock:
             try:
                 return hold.handle.release()
             finally:
-                _HOLDS.remove(self.backend, self.name, owner, hold.handle)
+                self._holds.remove(self.backend, self.name, owner, hold.handle)
 
         return step
 
@@ -403,11 +260,7 @@ class RedisLock:
             LockNotOwned: the lock is not held by this object (reentrant: by
                 the calling thread).
         """
-        handle = self._current()
-        if handle is None:
-            holder = "the calling thread" if self.reentrant else "this object"
-            raise LockNotOwned(self.name, f"it is not held by {holder}")
-        handle.extend(ttl)
+        self._held().extend(ttl)
 
     def __enter__(self) -> RedisLock:
         # Scoped: if __exit__ never runs its release (an exception landing on
@@ -465,17 +318,7 @@ class RedisLock:
 
         @functools.wraps(function)
         def locked(*args: Any, **kwargs: Any) -> Any:
-            lock = RedisLock(
-                self.client,
-                self.name,
-                self.ttl,
-                self.renew,
-                blocking=self.blocking,
-                timeout=self.timeout,
-                store=self.backend,
-                reentrant=self.reentrant,
-            )
-            with lock:
+            with self._copy(RedisLock):
                 return function(*args, **kwargs)
 
         return locked  # type: ignore[return-value]

@@ -1,4 +1,7 @@
-"""What the lock's replies mean: decisions shared by the sync and asyncio stores (no I/O).
+"""What the lock sends and what its replies mean: shared by the sync and asyncio stores (no I/O).
+
+The scripts' KEYS and ARGV, how a reply and a redis-py error read, who is
+told of a hand-over.
 
 A free key is taken with ``SET key value NX PX ttl GET`` (:func:`set_nx_get`):
 its reply is ``None`` when it took the key, else the value found there
@@ -18,22 +21,38 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 
+from celery_redislock.exceptions import LockBackendError
+from celery_redislock.keys import fence_key, handoff_keys, release_channel
 from celery_redislock.tokens import without_mark
 
 logger = logging.getLogger("celery_redislock.backend")
 
 __all__ = [
+    "RENEW_CHUNK_SIZE",
     "TAKE_OVER",
     "ReleaseAttempts",
+    "RenewItem",
     "accepted",
     "after_retry",
     "after_set_nx_get",
+    "backend_error",
+    "decode_text",
+    "hand_off",
+    "release_call",
+    "renew_call",
+    "renew_chunks",
     "set_nx_get",
     "takes_keyword",
     "unsupported",
 ]
+
+#: Locks per renewal script call: bounds how long one call blocks Redis.
+#: Each lock comes with its fence counter: 500 keys per call.
+RENEW_CHUNK_SIZE = 250
+#: What a refusal (not an outage) says: an ACL, a renamed or disabled command.
+_REFUSALS = ("noperm", "no permissions", "unknown command", "can't run this command")
 
 #: :func:`after_set_nx_get`'s answer for a value to take over with ``ACQUIRE_SCRIPT``.
 TAKE_OVER: Any = None
@@ -153,3 +172,119 @@ def accepted(method: Callable[..., Any], **flags: bool) -> dict[str, bool]:
     what the flag adds).
     """
     return {name: True for name, on in flags.items() if on and takes_keyword(method, name)}
+
+
+def decode_text(value: Any, encoding: str) -> str:
+    """A reply (bytes or str) as text."""
+    if isinstance(value, bytes):
+        return value.decode(encoding, "replace")
+    return str(value)
+
+
+def backend_error(exc: RedisError, operation: str, key: str, where: str) -> LockBackendError:
+    """The :class:`LockBackendError` for a redis-py error during ``operation`` on ``key``.
+
+    A refusal (ACL, unknown command) names the commands the lock needs.
+    """
+    if isinstance(exc, ResponseError):
+        detail = str(exc)
+        lowered = detail.lower()
+        refused = any(marker in lowered for marker in _REFUSALS)
+        if refused:
+            detail += (
+                " (the lock store must allow EVAL/EVALSHA, GET, SET, PEXPIRE, PTTL, DEL, "
+                "TIME, APPEND and PUBLISH on the lock keys for this user, SUBSCRIBE for "
+                "the wait policy, and the list, hash and sorted-set commands of hand-off, "
+                "coalescing, debounce and the workers' sweep; see the ACL list in the "
+                "docs' Redis topologies page, docs/_parts/topologies.md)"
+            )
+        error = LockBackendError(f"Redis at {where} refused to {operation} lock {key!r}: {detail}")
+        error.refused = refused
+        return error
+    return LockBackendError(
+        f"cannot {operation} lock {key!r}: Redis at {where} is unavailable "
+        f"({type(exc).__name__}: {exc})"
+    )
+
+
+def release_call(
+    key: str,
+    match: str,
+    mode: str,
+    keep: str,
+    keep_ms: int,
+    handoff_ttl_ms: int,
+    fence_ttl_ms: int = 0,
+    retry: bool = False,
+) -> tuple[tuple[str, ...], tuple[Any, ...]]:
+    """KEYS and ARGV of ``RELEASE_FULL_SCRIPT``: one place for the sync and asyncio stores.
+
+    ``retry``: the release is sent again after its reply was lost.
+    """
+    waiters, parked, _ = handoff_keys(key)
+    args = (
+        match,
+        mode,
+        release_channel(key),
+        keep,
+        max(keep_ms, 1),
+        handoff_ttl_ms,
+        fence_ttl_ms,
+        "1" if retry else "",
+    )
+    return (key, waiters, parked, fence_key(key)), args
+
+
+RenewItem = tuple[str, str, int] | tuple[str, str, int, bool]
+
+
+def renew_call(chunk: Sequence[RenewItem], fence_ttl_ms: int) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of ``RENEW_SCRIPT`` for ``(key, value, ttl_ms[, fenced])`` items.
+
+    A fenced item (its holder read a fence) renews its fence counter too.
+    """
+    keys = [item[0] for item in chunk]
+    fenced = [len(item) > 3 and bool(item[3]) for item in chunk]
+    keys += [fence_key(item[0]) for item, flag in zip(chunk, fenced, strict=True) if flag]
+    args: list[Any] = [item[1] for item in chunk] + [item[2] for item in chunk]
+    args += ["1" if flag else "" for flag in fenced]
+    args.append(fence_ttl_ms)
+    return keys, args
+
+
+def renew_chunks(
+    items: Sequence[RenewItem], fence_ttl_ms: int
+) -> list[tuple[list[str], list[Any]]]:
+    """:func:`renew_call` for each chunk of at most :data:`RENEW_CHUNK_SIZE` items."""
+    return [
+        renew_call(items[start : start + RENEW_CHUNK_SIZE], fence_ttl_ms)
+        for start in range(0, len(items), RENEW_CHUNK_SIZE)
+    ]
+
+
+def hand_off(publish: Callable[[str, str, bytes], None] | None, key: str, reply: Any) -> None:
+    """A release handed ``key`` to a parked execution: publish its message.
+
+    ``reply`` is the script's ``[1, hand-off value, message]``; ``publish``
+    the store's ``on_handoff`` (``None``: this process cannot publish).
+    Never raises: the parked execution's own re-sent copy runs at its
+    deadline if this publish fails (or never happens).
+    """
+    if publish is None:
+        logger.warning(
+            "lock %s was handed to a parked execution, but this process cannot publish "
+            "its message; its re-sent copy runs when its countdown ends",
+            key,
+        )
+        return
+    _, waiter, message = reply
+    if isinstance(message, str):  # a client with decode_responses
+        message = message.encode("utf-8")
+    try:
+        publish(key, decode_text(waiter, "utf-8"), message)
+    except Exception:
+        logger.exception(
+            "could not publish the parked execution lock %s was handed to; its re-sent "
+            "copy runs when its countdown ends",
+            key,
+        )

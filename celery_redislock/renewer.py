@@ -22,12 +22,12 @@ import os
 import weakref
 from collections import defaultdict
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 from celery_redislock._clock import clock
 from celery_redislock._process import current_pid
-from celery_redislock.exceptions import LockBackendError
-from celery_redislock.store import LockStore, RenewOutcome
+from celery_redislock.leasing import Renewable, due_for_renewal, renewal_failed, renewal_replied
+from celery_redislock.store import LockStore
 from celery_redislock.takeback import take_back_value
 
 __all__ = ["Renewable", "Renewer", "native_lock", "renewer"]
@@ -70,30 +70,6 @@ def native_lock() -> Any:
     if _allocate_native_lock is None:
         _allocate_native_lock = _native("_thread", "allocate_lock")
     return _allocate_native_lock()
-
-
-class Renewable(Protocol):
-    """What the renewer needs of a held lock (a :class:`~celery_redislock.lease.LockHandle`).
-
-    The renewer reads the schedule and the token, and reports each outcome
-    back through the two methods; it never holds a lock of its own.
-    """
-
-    backend: LockStore
-    key: str
-    value: str
-    ttl_ms: int
-    renew_period: float
-    renew_at: float
-    valid_until: float
-    #: Its holder read a fence: the key's counter is renewed with it.
-    fenced: bool
-
-    def _renewed(self, sent_at: float) -> None:
-        """The lock was renewed by a call sent at ``sent_at`` (:func:`clock`)."""
-
-    def _mark_lost(self, reason: str) -> None:
-        """The lock is gone, stolen or past its lease: report it once."""
 
 
 class Renewer:
@@ -265,10 +241,10 @@ class Renewer:
                     logger.debug("could not connect ahead of renewal", exc_info=True)
                 now = clock()
             del cold
-        due = [h for h in handles if h.renew_at - h.renew_period / 2 <= now]
-        if due:
+        renewing = due_for_renewal(handles, now)
+        if renewing:
             try:
-                self._renew(due)
+                self._renew(renewing)
             except Exception:
                 # Never let the thread die: one bad tick must not stop the
                 # renewal of every other lock in the process.
@@ -300,28 +276,9 @@ class Renewer:
             self.round_trips += 1
             outcomes = backend.renew_many(items)
         except Exception as exc:
-            # Redis unreachable (LockBackendError) or anything unexpected:
-            # either way this backend's locks stay valid until their
-            # deadline, and the other backends' locks are not affected.
-            now = clock()
-            if isinstance(exc, LockBackendError):
-                logger.warning("could not renew %d lock(s): %s", len(handles), exc)
-            else:
-                logger.exception("could not renew %d lock(s)", len(handles))
-            for handle in handles:
-                if now >= handle.valid_until:
-                    handle._mark_lost("expired_locally")
-                else:
-                    # Try again soon, while the lock is still valid.
-                    handle.renew_at = now + min(handle.renew_period / 4, 1.0)
+            renewal_failed(handles, exc, logger)
             return
-        for handle, outcome in zip(handles, outcomes, strict=False):
-            if outcome is RenewOutcome.RENEWED:
-                handle._renewed(sent_at)
-            elif outcome is RenewOutcome.GONE:
-                handle._mark_lost("gone")
-            else:
-                handle._mark_lost("stolen")
+        renewal_replied(handles, outcomes, sent_at)
 
 
 _RENEWER = Renewer()

@@ -1,4 +1,4 @@
-"""Redis Cluster under resharding and outages (the release review, helper-8): each failed before its fix.
+"""Redis Cluster under resharding and outages (release review, helper-8): each failed before.
 
 A 2-master cluster per test (it is killed, frozen or resharded), joined by commands.
 """
@@ -97,7 +97,7 @@ def test_an_unreachable_cluster_is_a_lock_store_error_and_never_escapes_a_releas
 def test_a_release_against_a_frozen_cluster_gives_up_within_its_short_timeout(
     cluster: RedisClusterServers,
 ) -> None:
-    """Releases have their own short timeout: a frozen cluster must not hold a task for 5 s per node."""
+    """Releases have their own short timeout: a frozen cluster must not hold a task 5 s per node."""
     store = LockStore(cluster.url)  # the client's timeouts: 5 s; the releases': 0.5 s, one retry
     lock = RedisLock(store.client, KEY, ttl=30, store=store)
     assert lock.acquire()

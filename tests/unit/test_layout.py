@@ -28,15 +28,23 @@ LOWER_LAYERS = {
     "celery_redislock._clock",
     "celery_redislock._process",
     "celery_redislock.aiostore",
+    "celery_redislock.aiotransport",
     "celery_redislock.clients",
     "celery_redislock.exceptions",
     "celery_redislock.keys",
+    "celery_redislock.outcomes",
     "celery_redislock.park_scripts",
     "celery_redislock.pending",
     "celery_redislock.pending_scripts",
     "celery_redislock.protocol",
+    "celery_redislock.resp",
     "celery_redislock.scripts",
     "celery_redislock.store",
+    "celery_redislock.store_acquire",
+    "celery_redislock.store_connections",
+    "celery_redislock.store_parking",
+    "celery_redislock.store_release",
+    "celery_redislock.store_slots",
     "celery_redislock.tokens",
     "celery_redislock.transport",
     "celery_redislock.urls",
@@ -135,20 +143,10 @@ MODULE_LIMIT, CLASS_LIMIT, TASK_MODULE_LIMIT = 450, 300, 300
 
 #: Modules over ``MODULE_LIMIT`` (path in the package: lines). They may only shrink.
 OVER_LIMIT = {
-    "store.py": 1570,
-    "aiolock.py": 849,
-    "transport.py": 743,
-    "aiostore.py": 698,
-    "lock.py": 481,
     "pending_scripts.py": 477,  # Lua scripts of the pending index
 }
 #: Classes over ``CLASS_LIMIT`` (``path:class``: lines). They may only shrink.
-CLASSES_OVER_LIMIT = {
-    "store.py:LockStore": 1167,
-    "lock.py:RedisLock": 399,
-    "aiolock.py:AsyncRedisLock": 395,
-    "aiostore.py:AsyncLockStore": 318,
-}
+CLASSES_OVER_LIMIT: dict[str, int] = {}
 #: Import circles left as they are (none): each as the sorted modules in it.
 ALLOWED_CYCLES: set[tuple[str, ...]] = set()
 

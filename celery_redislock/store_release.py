@@ -1,0 +1,202 @@
+"""Releasing a lock (or a slot): compare-and-delete, or a hand-over to a parked execution."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from celery_redislock import park_scripts, scripts
+from celery_redislock.exceptions import LockBackendError
+from celery_redislock.keys import fence_key, handoff_keys, release_channel, slot_keys
+from celery_redislock.outcomes import ReleaseOutcome
+from celery_redislock.protocol import (
+    ReleaseAttempts,
+    after_retry,
+    backend_error,
+    hand_off,
+    release_call,
+    takes_keyword,
+)
+from celery_redislock.store_connections import StoreConnections, _attempt, _Kind
+from celery_redislock.transport import Endpoint
+
+__all__ = ["LockRelease"]
+
+
+class LockRelease(StoreConnections):
+    """Release a lock (or a slot of one), and publish a hand-over it made."""
+
+    def release(
+        self,
+        key: str,
+        value: str,
+        keep: str = "",
+        keep_ms: int = 0,
+        fenced: bool = False,
+        resent: bool = False,
+    ) -> ReleaseOutcome:
+        """Delete the lock if it still holds ``value`` exactly.
+
+        Args:
+            key: Lock key.
+            value: The holder's value.
+            keep: If given, leave this value (for ``keep_ms``) instead of
+                deleting: the lock passes to whoever can adopt ``keep``, or
+                stays as an idempotency window.
+            keep_ms: Time to live of ``keep`` in milliseconds.
+            fenced: The holder read a fence: the key's counter is settled
+                (kept only while ahead of the clock, or ``fence_ttl``). A
+                caller that releases for another holder (an operator, a
+                take-back) passes True: it cannot know.
+            resent: Sent again after an exception cut off the reply of the
+                same release: it runs as a retry (it publishes a hand-over
+                the first made, and reports a key found gone or retaken as
+                released).
+        """
+        return self._release(key, value, "exact", keep, keep_ms, fenced, resent)
+
+    def release_owner(
+        self, key: str, owner_prefix: str, keep: str = "", keep_ms: int = 0
+    ) -> ReleaseOutcome:
+        """Delete (or hand over, see :meth:`release`) if the value starts with ``owner_prefix``."""
+        return self._release(key, owner_prefix, "prefix", keep, keep_ms)
+
+    def release_slot_of(
+        self, key: str, limit: int, match: str, mode: str = "exact"
+    ) -> ReleaseOutcome:
+        """Release whichever of ``key``'s slots holds ``match`` (a value, or an owner prefix).
+
+        For callers that do not know the slot: a take-back of an unanswered
+        acquire, a worker's parent releasing a dead child's slot. With
+        ``limit`` 1 it is :meth:`release` / :meth:`release_owner`.
+
+        Returns:
+            ``RELEASED``; ``ALREADY_GONE`` if no slot matched and one is
+            free; ``NOT_OURS`` if every slot holds another value.
+        """
+        if limit <= 1:
+            return self._release(key, match, mode, "", 0)
+        with self._errors("release", key):
+            reply = self.do_release_slots(key, limit, match, mode)
+        if isinstance(reply, list):
+            hand_off(self.on_handoff, key, reply)
+            return ReleaseOutcome.RELEASED
+        return ReleaseOutcome(max(min(reply, 1), -1))
+
+    def _check_replicas(
+        self, key: str, value: str, acked: int | None, min_replicas: int, replicas_timeout: float
+    ) -> None:
+        """Release a lock too few replicas acknowledged (``acked``), and raise."""
+        if acked is not None and acked < min_replicas:
+            self.release(key, value)
+            raise LockBackendError(
+                f"lock {key!r} was taken but only {acked} of {min_replicas} replica(s) "
+                f"acknowledged it within {replicas_timeout}s; released it again "
+                "(a failover now could lose it)"
+            )
+
+    def _release(
+        self,
+        key: str,
+        match: str,
+        mode: str,
+        keep: str,
+        keep_ms: int,
+        fenced: bool = False,
+        resent: bool = False,
+    ) -> ReleaseOutcome:
+        # Passed only when set: an override of do_release(key, match, mode,
+        # keep, keep_ms) still works.
+        flags = {name: True for name, on in (("settle", fenced), ("resent", resent)) if on}
+        if resent and not takes_keyword(self.do_release, "resent"):
+            del flags["resent"]
+        try:
+            reply = self.do_release(key, match, mode, keep, keep_ms, **flags)
+            if resent and "resent" not in flags:
+                reply = after_retry(key, reply)
+        except RedisError as exc:
+            raise backend_error(exc, "release", key, self.describe()) from exc
+        if isinstance(reply, list):
+            hand_off(self.on_handoff, key, reply)
+            return ReleaseOutcome.RELEASED
+        return ReleaseOutcome(reply)
+
+    def do_release(
+        self,
+        key: str,
+        match: str,
+        mode: str,
+        keep: str,
+        keep_ms: int,
+        settle: bool = False,
+        resent: bool = False,
+    ) -> Any:
+        """Release: ``RELEASE_SCRIPT``, or ``RELEASE_FULL_SCRIPT``; return the reply.
+
+        A plain release (the exact value, nothing kept, no fence read) runs
+        the lean script: ``GET``, compare, ``DEL``. If the value is marked
+        waited for, or the release keeps a value, goes by owner prefix or
+        must settle a fence counter (``settle``), the full one runs (the lean
+        one first, when it could not know: a second round trip, paid by the
+        releases someone waits for).
+
+        Releases have connections of their own (short timeout, one retry), so
+        a frozen Redis delays a finishing task by at most two short attempts;
+        the TTL frees the key if both fail. An attempt whose reply was lost
+        (or ``resent``: the caller sends the release again after an exception
+        cut off the first one's reply) is followed by a retry: see
+        :class:`~celery_redislock.protocol.ReleaseAttempts`.
+
+        Returns:
+            1, 0, -1, or ``[1, hand-off value, message]`` (see
+            ``RELEASE_FULL_SCRIPT``).
+        """
+        lean = mode == "exact" and not keep and not settle
+        attempts = ReleaseAttempts(key, resent)
+
+        def make(endpoint: Endpoint) -> Callable[[Any], Any]:
+            encoding = endpoint.encoding
+            first = scripts.RELEASE.exchange((key,), (match,), encoding) if lean else None
+
+            def full(retry: bool) -> Callable[[Any], Any]:
+                keys, args = release_call(
+                    key, match, mode, keep, keep_ms, self.handoff_ttl_ms, self.fence_ttl_ms, retry
+                )
+                return scripts.RELEASE_FULL.exchange(keys, args, encoding)
+
+            def script(retry: bool) -> Callable[[Any], Any]:
+                if retry or first is None:
+                    return full(retry)
+
+                def lean_first(connection: Any) -> Any:
+                    reply = first(connection)
+                    if reply == 2:  # someone waits behind us: hand over, wake them
+                        return full(False)(connection)
+                    return reply
+
+                return lean_first
+
+            return lambda connection: _attempt(attempts, connection, script)
+
+        return attempts.outcome(self._topology(_Kind.RELEASES).run_for_key(key, make))
+
+    def do_release_slots(self, key: str, limit: int, match: str, mode: str) -> Any:
+        """Run ``RELEASE_SLOTS_SCRIPT``; return its reply (slot number, 0, -1 or a hand-off).
+
+        On the releases' connections (short timeout, one retry), as
+        :meth:`do_release`. If the first attempt's reply was lost, the
+        retry's "no match" cannot tell: it is reported as released (1), as
+        :meth:`do_release` does.
+        """
+        waiters, parked, _ = handoff_keys(key)
+        keys = (*slot_keys(key, limit), waiters, parked, fence_key(key))
+        args = (match, mode, release_channel(key), self.handoff_ttl_ms, self.fence_ttl_ms)
+        attempts = ReleaseAttempts(key)
+
+        def make(endpoint: Endpoint) -> Callable[[Any], Any]:
+            run_script = park_scripts.RELEASE_SLOTS.exchange(keys, args, endpoint.encoding)
+            return lambda connection: _attempt(attempts, connection, lambda _retry: run_script)
+
+        return attempts.outcome(self._topology(_Kind.RELEASES).run_for_key(key, make))

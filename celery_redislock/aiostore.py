@@ -48,6 +48,7 @@ from celery_redislock.protocol import (
     TAKE_OVER,
     ReleaseAttempts,
     RenewItem,
+    accepted,
     after_retry,
     after_set_nx_get,
     backend_error,
@@ -57,7 +58,6 @@ from celery_redislock.protocol import (
     renew_call,
     renew_chunks,
     set_nx_get,
-    takes_keyword,
     unsupported,
 )
 from celery_redislock.tokens import without_mark
@@ -229,11 +229,11 @@ class AsyncLockStore:
         """
         async with self._errors("release", key):
             # Passed only when set: an override of do_release(key, value) still works.
-            flags = {name: True for name, on in (("fenced", fenced), ("resent", resent)) if on}
-            if resent and not takes_keyword(self.do_release, "resent"):
-                del flags["resent"]
-                return ReleaseOutcome(after_retry(key, await self.do_release(key, value, **flags)))
-            return ReleaseOutcome(await self.do_release(key, value, **flags))
+            flags = accepted(type(self).do_release, fenced=fenced, resent=resent)
+            reply = await self.do_release(key, value, **flags)
+            if resent and "resent" not in flags:  # an override that predates it
+                reply = after_retry(key, reply)
+            return ReleaseOutcome(reply)
 
     async def extend(self, key: str, value: str, ttl_ms: int, fenced: bool = False) -> RenewOutcome:
         """Reset the lock's TTL to ``ttl_ms`` if it still holds ``value``.
@@ -242,7 +242,7 @@ class AsyncLockStore:
         """
         async with self._errors("extend", key):
             # Passed only when set: an override of do_extend(key, value, ttl_ms) still works.
-            flags = {"fenced": True} if fenced else {}
+            flags = accepted(type(self).do_extend, fenced=fenced)
             return RenewOutcome(await self.do_extend(key, value, ttl_ms, **flags))
 
     async def renew_many(self, items: Sequence[RenewItem]) -> list[RenewOutcome]:
@@ -334,7 +334,7 @@ class AsyncLockStore:
                     if reply == 2:  # someone waits behind us: wake them
                         reply = await full(False)(connection)
             except ResponseError:
-                attempts.answered()  # a refusal: nothing ran
+                attempts.refused()  # a refusal: nothing ran
                 raise
             attempts.answered()
             return reply

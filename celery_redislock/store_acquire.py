@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import AskError, MovedError, RedisError, ResponseError
 
 from celery_redislock import scripts
 from celery_redislock._clock import clock
@@ -15,6 +15,7 @@ from celery_redislock.protocol import (
     RENEW_CHUNK_SIZE,
     TAKE_OVER,
     RenewItem,
+    accepted,
     after_set_nx_get,
     backend_error,
     renew_call,
@@ -117,7 +118,7 @@ class LockAcquire(LockRelease):
         """
         with self._errors("extend", key):
             # Passed only when set: an override of do_extend(key, value, ttl_ms) still works.
-            flags = {"fenced": True} if fenced else {}
+            flags = accepted(type(self).do_extend, fenced=fenced)
             return RenewOutcome(self.do_extend(key, value, ttl_ms, **flags))
 
     def renew_many(self, items: Sequence[RenewItem]) -> list[RenewOutcome]:
@@ -219,7 +220,15 @@ class LockAcquire(LockRelease):
                 chunks.append(indices[start : start + RENEW_CHUNK_SIZE])
         for endpoint, chunks in by_endpoint.values():
             calls = [renew_call([items[i] for i in chunk], self.fence_ttl_ms) for chunk in chunks]
-            replies = scripts.RENEW.many(endpoint, calls)
+            try:
+                replies = scripts.RENEW.many(endpoint, calls)
+            except (MovedError, AskError):
+                # A resharding moved a slot: each chunk (keys of one slot)
+                # follows its redirection. Renewing again is harmless.
+                replies = [
+                    topology.run_for_key(keys[0], _script_runner((scripts.RENEW, keys, args)))
+                    for keys, args in calls
+                ]
             for chunk, reply in zip(chunks, replies, strict=True):
                 for index, status in zip(chunk, reply, strict=True):
                     statuses[index] = int(status)

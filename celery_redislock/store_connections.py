@@ -184,6 +184,7 @@ class StoreConnections:
             return ClusterTopology(
                 source.nodes_manager,
                 lambda pool: endpoint_of(pool.connection_class, pool.connection_kwargs),
+                refresh_after_failure=kind is _Kind.COMMANDS,
             )
         return Topology(endpoint_of(source.connection_class, source.connection_kwargs))
 
@@ -311,7 +312,7 @@ def _attempt(
     try:
         reply = exchange(connection)
     except ResponseError:
-        attempts.answered()  # a redirection or a refusal: nothing ran
+        attempts.refused()  # a redirection or a refusal: nothing ran
         raise
     attempts.answered()
     return reply

@@ -13,11 +13,11 @@ from celery_redislock.keys import fence_key, handoff_keys, release_channel, slot
 from celery_redislock.outcomes import ReleaseOutcome
 from celery_redislock.protocol import (
     ReleaseAttempts,
+    accepted,
     after_retry,
     backend_error,
     hand_off,
     release_call,
-    takes_keyword,
 )
 from celery_redislock.store_connections import StoreConnections, _attempt, _Kind
 from celery_redislock.transport import Endpoint
@@ -109,12 +109,10 @@ class LockRelease(StoreConnections):
     ) -> ReleaseOutcome:
         # Passed only when set: an override of do_release(key, match, mode,
         # keep, keep_ms) still works.
-        flags = {name: True for name, on in (("settle", fenced), ("resent", resent)) if on}
-        if resent and not takes_keyword(self.do_release, "resent"):
-            del flags["resent"]
+        flags = accepted(type(self).do_release, settle=fenced, resent=resent)
         try:
             reply = self.do_release(key, match, mode, keep, keep_ms, **flags)
-            if resent and "resent" not in flags:
+            if resent and "resent" not in flags:  # an override that predates it
                 reply = after_retry(key, reply)
         except RedisError as exc:
             raise backend_error(exc, "release", key, self.describe()) from exc
@@ -186,9 +184,9 @@ class LockRelease(StoreConnections):
         """Run ``RELEASE_SLOTS_SCRIPT``; return its reply (slot number, 0, -1 or a hand-off).
 
         On the releases' connections (short timeout, one retry), as
-        :meth:`do_release`. If the first attempt's reply was lost, the
-        retry's "no match" cannot tell: it is reported as released (1), as
-        :meth:`do_release` does.
+        :meth:`do_release`. After a lost reply the retry (``ARGV[6]``)
+        returns a hand-over the first attempt made, and "no slot held it,
+        one is free" is reported as released (1), as :meth:`do_release` does.
         """
         waiters, parked, _ = handoff_keys(key)
         keys = (*slot_keys(key, limit), waiters, parked, fence_key(key))
@@ -196,7 +194,11 @@ class LockRelease(StoreConnections):
         attempts = ReleaseAttempts(key)
 
         def make(endpoint: Endpoint) -> Callable[[Any], Any]:
-            run_script = park_scripts.RELEASE_SLOTS.exchange(keys, args, endpoint.encoding)
-            return lambda connection: _attempt(attempts, connection, lambda _retry: run_script)
+            encoding = endpoint.encoding
+            first = park_scripts.RELEASE_SLOTS.exchange(keys, args, encoding)
+            again = park_scripts.RELEASE_SLOTS.exchange(keys, (*args, "1"), encoding)
+            return lambda connection: _attempt(
+                attempts, connection, lambda retry: again if retry else first
+            )
 
         return attempts.outcome(self._topology(_Kind.RELEASES).run_for_key(key, make))

@@ -29,9 +29,10 @@ The bytes on the wire are ``resp.py``'s.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import redis
@@ -41,6 +42,7 @@ from redis.exceptions import (
     AskError,
     ConnectionError,
     MovedError,
+    RedisClusterException,
     ResponseError,
     TimeoutError,
     TryAgainError,
@@ -275,7 +277,10 @@ class ClusterTopology(Topology):
     connections are the transport's, one :class:`Endpoint` per node. A
     ``MOVED`` reply (or a node that stopped answering) refreshes the map and
     the call is tried again; an ``ASK`` reply is followed with ``ASKING``
-    on the node it names.
+    on the node it names. ``refresh_after_failure=False`` (the releases' and
+    renewals' connections, whose short timeouts bound a finishing task and
+    the renewer): a node that stopped answering is not followed by a refresh,
+    which reads the map with the client's own, longer timeouts.
     """
 
     #: Redirections (and ``TRYAGAIN`` replies) followed before giving up.
@@ -283,10 +288,16 @@ class ClusterTopology(Topology):
     #: Seconds to wait after a ``TRYAGAIN`` reply (a slot migration in progress).
     TRY_AGAIN_DELAY = 0.1
 
-    def __init__(self, nodes_manager: Any, make_endpoint: Callable[[Any], Endpoint]) -> None:
+    def __init__(
+        self,
+        nodes_manager: Any,
+        make_endpoint: Callable[[Any], Endpoint],
+        refresh_after_failure: bool = True,
+    ) -> None:
         self._nodes = nodes_manager
         self._make_endpoint = make_endpoint
         self._by_node: dict[str, Endpoint] = {}
+        self.refresh_after_failure = refresh_after_failure
 
     def _endpoint_of(self, node: Any) -> Endpoint:
         endpoint = self._by_node.get(node.name)
@@ -298,7 +309,11 @@ class ClusterTopology(Topology):
 
     def endpoint_for(self, key: str) -> Endpoint:
         """The endpoint of the primary serving ``key``'s slot."""
-        return self._endpoint_of(self._nodes.get_node_from_slot(_slot(key)))
+        return self._endpoint_of(self._node_for(_slot(key)))
+
+    def _node_for(self, slot: int) -> Any:
+        with _cluster_errors():
+            return self._nodes.get_node_from_slot(slot)
 
     def primaries(self) -> list[Endpoint]:
         """One endpoint per primary."""
@@ -310,8 +325,7 @@ class ClusterTopology(Topology):
         for index, key in enumerate(keys):
             by_slot.setdefault(_slot(key), []).append(index)
         return [
-            (self._endpoint_of(self._nodes.get_node_from_slot(slot)), indices)
-            for slot, indices in by_slot.items()
+            (self._endpoint_of(self._node_for(slot)), indices) for slot, indices in by_slot.items()
         ]
 
     def run_for_key(self, key: str, make_exchange: Callable[[Endpoint], Callable[[Any], T]]) -> T:
@@ -342,7 +356,7 @@ class ClusterTopology(Topology):
             except (ConnectionError, TimeoutError):
                 # The endpoint already retried; one more try after a refresh,
                 # in case a failover moved the slot to another node.
-                if failed:
+                if failed or not self.refresh_after_failure:
                     raise
                 failed, asking = True, None
                 self.refresh()
@@ -350,12 +364,27 @@ class ClusterTopology(Topology):
 
     def refresh(self) -> None:
         """Read the slot map again (after a MOVED reply or a failed node)."""
-        self._nodes.initialize()
+        with _cluster_errors():
+            self._nodes.initialize()
 
     def close(self) -> None:
         """Disconnect every node's idle connections."""
         for endpoint in self._by_node.values():
             endpoint.close()
+
+
+@contextlib.contextmanager
+def _cluster_errors() -> Iterator[None]:
+    """redis-py's cluster errors (not ``RedisError``s) as the connection errors they are.
+
+    No node reachable (``RedisClusterException``), a slot no node serves
+    (``SlotNotCoveredError``): the lock store is unavailable, which the
+    callers handle as ``ConnectionError``.
+    """
+    try:
+        yield
+    except RedisClusterException as exc:
+        raise ConnectionError(f"Redis Cluster unavailable: {exc}") from exc
 
 
 def _slot(key: str) -> int:

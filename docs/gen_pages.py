@@ -91,6 +91,16 @@ PAGES: dict[str, tuple[str, list[str]]] = {
 SKIPPED_SECTIONS = {"Contents", "Table of contents", "Reference documentation"}
 
 # page -> [(title, module)]: one mkdocstrings block per module.
+# Classes composed from the package's own bases (LockStore from the store_*
+# modules, the handles from leasing.Lease, the locks from standalone) show
+# their inherited members on these pages.
+INHERITED = {
+    "celery_redislock.store",
+    "celery_redislock.lease",
+    "celery_redislock.lock",
+    "celery_redislock.aiolock",
+    "celery_redislock.aiostore",
+}
 REFERENCE: dict[str, tuple[str, list[str]]] = {
     "reference/package.md": ("The package", ["celery_redislock"]),
     "reference/task.md": (
@@ -138,6 +148,14 @@ REFERENCE: dict[str, tuple[str, list[str]]] = {
             "celery_redislock.clients",
             "celery_redislock.urls",
             "celery_redislock.renewer",
+            "celery_redislock.leasing",
+            "celery_redislock.standalone",
+            "celery_redislock.outcomes",
+            "celery_redislock.protocol",
+            "celery_redislock.resp",
+            "celery_redislock.aiotransport",
+            "celery_redislock.aiolease",
+            "celery_redislock.aiorenewer",
             "celery_redislock.abort",
             "celery_redislock.takeback",
             "celery_redislock.handoff",
@@ -340,7 +358,10 @@ def build() -> None:
         with mkdocs_gen_files.open(page, "w") as out:
             out.write(f"# {title}\n\n")
             for module in modules:
-                out.write(f"::: {module}\n\n")
+                out.write(f"::: {module}\n")
+                if module in INHERITED:
+                    out.write("    options:\n      inherited_members: true\n")
+                out.write("\n")
 
 
 build()

@@ -540,10 +540,19 @@ def test_an_exception_on_any_line_of_a_reentrant_async_exit_releases_once(
 ) -> None:
     import sys
 
+    import celery_redislock.aiolease
     import celery_redislock.aiolock
+    import celery_redislock.leasing
     import celery_redislock.owners
+    import celery_redislock.standalone
 
-    files = {celery_redislock.aiolock.__file__, celery_redislock.owners.__file__}
+    files = {
+        celery_redislock.aiolock.__file__,
+        celery_redislock.owners.__file__,
+        celery_redislock.standalone.__file__,
+        celery_redislock.aiolease.__file__,
+        celery_redislock.leasing.__file__,
+    }
     # Not on the lines of __aexit__ before its try: no signal is delivered on a
     # store or a NOP, only on the call's first instruction (documented).
     source, first = inspect.getsourcelines(AsyncRedisLock.__aexit__)
@@ -604,10 +613,19 @@ def test_an_exception_on_any_line_of_a_nested_async_enter_counts_it_once(
 ) -> None:
     import sys
 
+    import celery_redislock.aiolease
     import celery_redislock.aiolock
+    import celery_redislock.leasing
     import celery_redislock.owners
+    import celery_redislock.standalone
 
-    files = {celery_redislock.aiolock.__file__, celery_redislock.owners.__file__}
+    files = {
+        celery_redislock.aiolock.__file__,
+        celery_redislock.owners.__file__,
+        celery_redislock.standalone.__file__,
+        celery_redislock.aiolease.__file__,
+        celery_redislock.leasing.__file__,
+    }
 
     def interrupting_at(n: int) -> Any:
         seen = [0]

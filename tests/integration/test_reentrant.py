@@ -250,8 +250,13 @@ def _interrupt_at_line(n: int) -> Any:
     """
     import celery_redislock.lock
     import celery_redislock.owners
+    import celery_redislock.standalone
 
-    files = {celery_redislock.lock.__file__, celery_redislock.owners.__file__}
+    files = {
+        celery_redislock.lock.__file__,
+        celery_redislock.owners.__file__,
+        celery_redislock.standalone.__file__,
+    }
     source, first = inspect.getsourcelines(RedisLock.__exit__)
     try_line = first + next(i for i, line in enumerate(source) if line.strip() == "try:")
     seen = [0]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from celery_redislock import park_scripts, pending_scripts
+from celery_redislock import debounce_scripts, park_scripts
 from celery_redislock._clock import clock
 from celery_redislock.keys import (
     debounce_key,
@@ -159,7 +159,7 @@ class LockParking(LockSlotsAndWaits):
         """
         ttl_ms = max(max_wait_ms + window_ms, delay_ms) + grace_ms + 60_000
         call = (
-            pending_scripts.DEBOUNCE,
+            debounce_scripts.DEBOUNCE,
             (debounce_key(key),),
             (task_id, window_ms, max_wait_ms, ttl_ms, message, handoff, delay_ms, grace_ms),
         )
@@ -182,7 +182,7 @@ class LockParking(LockSlotsAndWaits):
         (``PendingIndex.forget_debounced_call``).
         """
         call = (
-            pending_scripts.DEBOUNCE_DUE,
+            debounce_scripts.DEBOUNCE_DUE,
             (debounce_key(key),),
             (task_id, "1" if forget else ""),
         )

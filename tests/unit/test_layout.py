@@ -36,6 +36,7 @@ LOWER_LAYERS = {
     "celery_redislock.park_scripts",
     "celery_redislock.pending",
     "celery_redislock.pending_scripts",
+    "celery_redislock.debounce_scripts",
     "celery_redislock.protocol",
     "celery_redislock.resp",
     "celery_redislock.scripts",
@@ -142,9 +143,7 @@ def test_the_lower_layers_never_import_celery() -> None:
 MODULE_LIMIT, CLASS_LIMIT, TASK_MODULE_LIMIT = 450, 300, 300
 
 #: Modules over ``MODULE_LIMIT`` (path in the package: lines). They may only shrink.
-OVER_LIMIT = {
-    "pending_scripts.py": 477,  # Lua scripts of the pending index
-}
+OVER_LIMIT: dict[str, int] = {}
 #: Classes over ``CLASS_LIMIT`` (``path:class``: lines). They may only shrink.
 CLASSES_OVER_LIMIT: dict[str, int] = {}
 #: Import circles left as they are (none): each as the sorted modules in it.

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from redis.crc import key_slot
 
 from examples.server import server_binary, server_version
 from tests.brokers import worker_env
@@ -268,6 +269,33 @@ class RedisClusterServers:
                 continue
             return node
         raise AssertionError(f"no node owns {key!r}")
+
+    def start_migration(self, key: str) -> tuple[RedisServer, Callable[[], None]]:
+        """Move ``key``'s slot's keys to another master, the slot left migrating.
+
+        Until the returned ``finish()`` runs, the old master answers ASK for
+        them and the new one TRYAGAIN for scripts whose keys are split; after
+        it, the slot is the new master's (the old one answers MOVED). Returns
+        the new master and ``finish``.
+        """
+        source = self.node_holding(key)
+        target = next(node for node in self.nodes if node is not source)
+        slot = key_slot(key.encode())
+        source_id = source.client().cluster("myid")
+        target_id = target.client().cluster("myid")
+        target.client().execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", source_id)
+        source.client().execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", target_id)
+        keys = source.client().execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100)
+        if keys:
+            source.client().execute_command(
+                "MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", *keys
+            )
+
+        def finish() -> None:
+            for node in (target, source):
+                node.client().execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
+
+        return target, finish
 
     def close(self) -> None:
         for node in self.nodes:

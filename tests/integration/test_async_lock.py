@@ -535,24 +535,30 @@ class _Interrupt(Exception):
     """Stands for an exception a signal handler raises (KeyboardInterrupt would end the loop)."""
 
 
-def test_an_exception_on_any_line_of_a_reentrant_async_exit_releases_once(
-    server: RedisServer, lock_client: redis.Redis
-) -> None:
-    import sys
-
+def _lock_path_files() -> set[str]:
+    """The modules an asyncio lock's enter and exit run in (the interrupt tests trace them)."""
     import celery_redislock.aiolease
     import celery_redislock.aiolock
     import celery_redislock.leasing
     import celery_redislock.owners
     import celery_redislock.standalone
 
-    files = {
-        celery_redislock.aiolock.__file__,
-        celery_redislock.owners.__file__,
-        celery_redislock.standalone.__file__,
-        celery_redislock.aiolease.__file__,
-        celery_redislock.leasing.__file__,
-    }
+    modules = (
+        celery_redislock.aiolock,
+        celery_redislock.owners,
+        celery_redislock.standalone,
+        celery_redislock.aiolease,
+        celery_redislock.leasing,
+    )
+    return {str(module.__file__) for module in modules}
+
+
+def test_an_exception_on_any_line_of_a_reentrant_async_exit_releases_once(
+    server: RedisServer, lock_client: redis.Redis
+) -> None:
+    import sys
+
+    files = _lock_path_files()
     # Not on the lines of __aexit__ before its try: no signal is delivered on a
     # store or a NOP, only on the call's first instruction (documented).
     source, first = inspect.getsourcelines(AsyncRedisLock.__aexit__)
@@ -613,19 +619,7 @@ def test_an_exception_on_any_line_of_a_nested_async_enter_counts_it_once(
 ) -> None:
     import sys
 
-    import celery_redislock.aiolease
-    import celery_redislock.aiolock
-    import celery_redislock.leasing
-    import celery_redislock.owners
-    import celery_redislock.standalone
-
-    files = {
-        celery_redislock.aiolock.__file__,
-        celery_redislock.owners.__file__,
-        celery_redislock.standalone.__file__,
-        celery_redislock.aiolease.__file__,
-        celery_redislock.leasing.__file__,
-    }
+    files = _lock_path_files()
 
     def interrupting_at(n: int) -> Any:
         seen = [0]

@@ -10,7 +10,6 @@ from collections.abc import Iterator
 
 import pytest
 from redis.cluster import RedisCluster
-from redis.crc import key_slot
 
 from celery_redislock import RedisLock
 from celery_redislock.store import LockStore
@@ -32,17 +31,8 @@ def cluster() -> Iterator[RedisClusterServers]:
 
 def _move_slot(cluster: RedisClusterServers, key: str) -> RedisServer:
     """Reshard ``key``'s slot, keys included, to the other master; return that master."""
-    source = cluster.node_holding(key)
-    target = next(node for node in cluster.nodes if node is not source)
-    slot = key_slot(key.encode())
-    source_id = source.client().cluster("myid")
-    target_id = target.client().cluster("myid")
-    target.client().execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", source_id)
-    source.client().execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", target_id)
-    keys = source.client().execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100)
-    source.client().execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", *keys)
-    for node in (target, source):
-        node.client().execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
+    target, finish = cluster.start_migration(key)
+    finish()
     return target
 
 

@@ -16,7 +16,6 @@ import pytest
 import redis
 import redis.asyncio
 from celery import Celery
-from redis.crc import key_slot
 
 from celery_redislock import AsyncRedisLock, LockContended, RedisLock, SingletonTask
 from celery_redislock.admin import LockInventory
@@ -119,20 +118,8 @@ def _on_a_migrated_key(
 
     Yields what finishes the migration (the slot is then the other master's).
     """
-    source = cluster.node_holding(key)
-    source.client().set(key, value, px=px)
-    target = next(node for node in cluster.nodes if node is not source)
-    slot = key_slot(key.encode())
-    source_id = source.client().cluster("myid")
-    target_id = target.client().cluster("myid")
-    target.client().execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", source_id)
-    source.client().execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", target_id)
-    source.client().execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", key)
-
-    def finish() -> None:
-        for node in (target, source):
-            node.client().execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
-
+    cluster.node_holding(key).client().set(key, value, px=px)
+    target, finish = cluster.start_migration(key)
     try:
         yield finish
     finally:

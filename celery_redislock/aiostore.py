@@ -229,7 +229,11 @@ class AsyncLockStore:
         """
         async with self._errors("release", key):
             # Passed only when set: an override of do_release(key, value) still works.
-            flags = accepted(type(self).do_release, fenced=fenced, resent=resent)
+            flags = (
+                accepted(type(self).do_release, fenced=fenced, resent=resent)
+                if fenced or resent
+                else {}
+            )
             reply = await self.do_release(key, value, **flags)
             if resent and "resent" not in flags:  # an override that predates it
                 reply = after_retry(key, reply)

@@ -109,7 +109,11 @@ class LockRelease(StoreConnections):
     ) -> ReleaseOutcome:
         # Passed only when set: an override of do_release(key, match, mode,
         # keep, keep_ms) still works.
-        flags = accepted(type(self).do_release, settle=fenced, resent=resent)
+        flags = (
+            accepted(type(self).do_release, settle=fenced, resent=resent)
+            if fenced or resent
+            else {}
+        )
         try:
             reply = self.do_release(key, match, mode, keep, keep_ms, **flags)
             if resent and "resent" not in flags:  # an override that predates it

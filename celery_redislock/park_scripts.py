@@ -423,6 +423,9 @@ end
 if ARGV[6] == '1' then
     for i = 1, n do
         local current = redis.call('GET', KEYS[i])
+        if current and string.sub(current, -2) == '|w' then
+            current = string.sub(current, 1, -3)
+        end
         local message = current and redis.call('HGET', KEYS[n + 2], current)
         if message then
             return {i, current, message}

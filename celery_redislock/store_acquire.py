@@ -5,7 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from redis.exceptions import AskError, MovedError, RedisError, ResponseError
+from redis.exceptions import (
+    AskError,
+    ConnectionError,
+    MovedError,
+    RedisError,
+    ResponseError,
+    TimeoutError,
+)
 
 from celery_redislock import scripts
 from celery_redislock._clock import clock
@@ -222,9 +229,11 @@ class LockAcquire(LockRelease):
             calls = [renew_call([items[i] for i in chunk], self.fence_ttl_ms) for chunk in chunks]
             try:
                 replies = scripts.RENEW.many(endpoint, calls)
-            except (MovedError, AskError):
-                # A resharding moved a slot: each chunk (keys of one slot)
-                # follows its redirection. Renewing again is harmless.
+            except (MovedError, AskError, ConnectionError, TimeoutError):
+                # A resharding moved a slot, or the node failed (a failover may
+                # have promoted its replica): each chunk (keys of one slot)
+                # follows its redirection or the map read again. Renewing
+                # again is harmless (a compare, then PEXPIRE).
                 replies = [
                     topology.run_for_key(keys[0], _script_runner((scripts.RENEW, keys, args)))
                     for keys, args in calls

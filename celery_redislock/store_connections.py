@@ -184,7 +184,10 @@ class StoreConnections:
             return ClusterTopology(
                 source.nodes_manager,
                 lambda pool: endpoint_of(pool.connection_class, pool.connection_kwargs),
-                refresh_after_failure=kind is _Kind.COMMANDS,
+                # A release is bounded by its short timeout (the TTL frees the
+                # key); a renewal must find a promoted replica (a failed node
+                # never answers MOVED), or the lock expires while held.
+                refresh_after_failure=kind is not _Kind.RELEASES,
             )
         return Topology(endpoint_of(source.connection_class, source.connection_kwargs))
 

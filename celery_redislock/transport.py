@@ -277,10 +277,10 @@ class ClusterTopology(Topology):
     connections are the transport's, one :class:`Endpoint` per node. A
     ``MOVED`` reply (or a node that stopped answering) refreshes the map and
     the call is tried again; an ``ASK`` reply is followed with ``ASKING``
-    on the node it names. ``refresh_after_failure=False`` (the releases' and
-    renewals' connections, whose short timeouts bound a finishing task and
-    the renewer): a node that stopped answering is not followed by a refresh,
-    which reads the map with the client's own, longer timeouts.
+    on the node it names. ``refresh_after_failure=False`` (the releases'
+    connections, whose short timeout bounds a finishing task): a node that
+    stopped answering is not followed by a refresh, which reads the map with
+    the client's own, longer timeouts.
     """
 
     #: Redirections (and ``TRYAGAIN`` replies) followed before giving up.

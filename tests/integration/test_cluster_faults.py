@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import pytest
 from redis.cluster import RedisCluster
 
-from celery_redislock import RedisLock
-from celery_redislock.store import LockStore
-from tests.servers import RedisClusterServers, RedisServer, wait_until
+from celery_redislock import LockBackendError, RedisLock
+from celery_redislock.store import LockStore, RenewOutcome
+from tests.servers import RedisClusterServers, RedisServer, _free_cluster_port, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -101,3 +101,79 @@ def test_a_release_against_a_frozen_cluster_gives_up_within_its_short_timeout(
         for node in cluster.nodes:
             node.resume()
     assert took < 2.5, f"the release took {took:.1f}s"
+
+
+def test_renewals_follow_a_failover_to_the_promoted_replica() -> None:
+    """The key's master dies, its replica takes over with the key: renewals reach the replica.
+
+    A dead node never answers MOVED: the renewals must read the slot map
+    again after failing on it, or the lock expires while its holder lives.
+    """
+    cluster = RedisClusterServers(masters=3)
+    replica: RedisServer | None = None
+    try:
+        replica = RedisServer(
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            "nodes.conf",
+            "--cluster-node-timeout",
+            "5000",
+            port=_free_cluster_port(),
+        )
+        promoted = replica
+        promoted.client().execute_command("CLUSTER", "MEET", "127.0.0.1", cluster.nodes[0].port)
+        master = cluster.node_holding(KEY)
+        myid = master.client().cluster("myid")
+        master_id = myid.decode() if isinstance(myid, bytes) else str(myid)
+
+        def knows_master() -> bool:
+            nodes = promoted.client().execute_command("CLUSTER", "NODES")
+            text = nodes.decode() if isinstance(nodes, bytes) else str(nodes)
+            return master_id in text
+
+        wait_until(knows_master, timeout=20, interval=0.1, message="the replica to meet the master")
+        promoted.client().execute_command("CLUSTER", "REPLICATE", master_id)
+        wait_until(
+            lambda: promoted.client().info("replication").get("master_link_status") == "up",
+            timeout=20,
+            interval=0.1,
+            message="the replica's sync",
+        )
+        client = RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port)
+        store = LockStore(client=client)
+        value = "v1|holder|0|here|1|ab|job|0"
+        assert store.acquire(KEY, value, 3_000).acquired
+        assert store.renew_many([(KEY, value, 3_000)]) == [RenewOutcome.RENEWED]
+        wait_until(
+            lambda: promoted.client().info("keyspace").get("db0", {}).get("keys", 0) >= 1,
+            timeout=20,
+            interval=0.05,
+            message="the key on the replica",
+        )
+        master.kill()
+        promoted.client().execute_command("CLUSTER", "FAILOVER", "TAKEOVER")
+        wait_until(
+            lambda: promoted.client().info("replication").get("role") == "master",
+            timeout=10,
+            interval=0.05,
+            message="the replica's promotion",
+        )
+        renewed: list[list[RenewOutcome]] = []
+
+        def renews() -> bool:
+            try:
+                renewed.append(store.renew_many([(KEY, value, 60_000)]))
+            except LockBackendError:
+                return False
+            return True
+
+        # Within the lock's TTL (3 s): it must not expire on the promoted replica.
+        wait_until(renews, timeout=2.5, interval=0.1, message="a renewal on the promoted replica")
+        assert renewed[-1] == [RenewOutcome.RENEWED]
+        assert promoted.client().pttl(KEY) > 50_000
+        client.close()
+    finally:
+        if replica is not None:
+            replica.close()
+        cluster.close()

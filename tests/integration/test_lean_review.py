@@ -346,10 +346,14 @@ def test_overrides_with_the_older_signatures_still_work(lock_client: redis.Redis
     assert store.release(KEY, HOLDER, fenced=True) is ReleaseOutcome.RELEASED
 
 
+@pytest.mark.parametrize("waiting", [1, 2])
 def test_a_slot_release_retried_after_a_lost_reply_publishes_the_hand_over(
-    server: RedisServer, proxy: FaultProxy, lock_client: redis.Redis
+    server: RedisServer, proxy: FaultProxy, lock_client: redis.Redis, waiting: int
 ) -> None:
-    """``lock_limit``: the first attempt handed the slot to a parked call; its reply was lost."""
+    """``lock_limit``: the first attempt handed the slot to a parked call; its reply was lost.
+
+    With a second call still parked, the slot handed over is marked waited for.
+    """
     mine = "v1|me|0|h|1|n|job|0"
     store = LockStore(f"{proxy.url}/{LOCK_DB}", {"socket_timeout": 1.0})
     handed: list[tuple[str, str, bytes]] = []
@@ -360,11 +364,16 @@ def test_a_slot_release_retried_after_a_lost_reply_publishes_the_hand_over(
         store.release_slot_of("redislock:t:{warm}", 2, mine)
         assert store.acquire_slot(KEY, 2, mine, 30_000).acquired
         assert store.acquire_slot(KEY, 2, HOLDER, 30_000).acquired
-        parked = store.park(KEY, "parked", 30_000, "handoff-1", "o", b"message-1", 60_000, limit=2)
-        assert parked.parked
+        for n in range(1, waiting + 1):
+            message = f"message-{n}".encode()
+            parked = store.park(
+                KEY, f"parked-{n}", 30_000, f"handoff-{n}", "o", message, 60_000, limit=2
+            )
+            assert parked.parked
         proxy.lose_replies = 1
         assert store.release_slot_of(KEY, 2, mine) is ReleaseOutcome.RELEASED
-        assert b"handoff-1" in [lock_client.get(key) for key in slot_keys(KEY, 2)]
+        held = [lock_client.get(key) for key in slot_keys(KEY, 2)]
+        assert b"handoff-1" in held or b"handoff-1" + WAITING.encode() in held
         assert handed == [(KEY, "handoff-1", b"message-1")]
     finally:
         store.close()

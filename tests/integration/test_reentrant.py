@@ -331,3 +331,35 @@ def test_an_interrupt_on_any_line_of_a_nested_enter_or_exit_counts_it_once(
                 break
     assert lock.depth == 0 and lock_client.exists("re:nested-any") == 0
     assert n > 5
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_an_interrupt_on_any_line_of_an_explicit_acquire_leaves_no_lock_behind(
+    lock_client: redis.Redis, reentrant: bool
+) -> None:
+    # acquire() either returns True (the caller holds it and will release),
+    # or raises with nothing left: no value in Redis, nothing renewed.
+    name = f"re:acquire-any:{reentrant}"
+    n = 0
+    while True:
+        n += 1
+        lock = RedisLock(lock_client, name, ttl=5, reentrant=reentrant)
+        tracer = _interrupt_at_line(n)
+        acquired, where = False, "not interrupted"
+        try:
+            sys.settrace(tracer)
+            acquired = lock.acquire()
+        except KeyboardInterrupt as interrupt:
+            where = f"interrupted at line event {n} ({interrupt})"
+        finally:
+            sys.settrace(None)
+        if acquired:
+            assert lock.owned, where
+            lock.release()
+        assert lock_client.exists(name) == 0, where
+        assert lock.depth == 0, where
+        registered = [*renewer()._handles.values(), *renewer()._scoped.values()]
+        assert not any(h.key == name for h in registered), where
+        if where == "not interrupted":
+            break
+    assert n > 5

@@ -206,6 +206,10 @@ class Subscription:
         self._connection = connection = endpoint.new_connection()
 
         def subscribe() -> None:
+            # connect() first: a Sentinel-managed connection looks up the
+            # current master only there (send_command alone would connect
+            # to redis-py's default address, localhost:6379).
+            connection.connect()
             # redis-py's reader, not ours: a message published right after
             # the confirmation may arrive in the same read, and redis-py's
             # buffer keeps it for :meth:`wait` (ours would call it stray

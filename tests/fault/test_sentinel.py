@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from celery_redislock import LockBackendError, SingletonTask, lock_lost
+from celery_redislock import LockBackendError, SingletonTask, Wait, lock_lost
 from celery_redislock.fencing import FencedStore, StaleFence
 from celery_redislock.settings import forget_app_settings
 from tests.servers import FaultProxy, RedisServer, SentinelServer, wait_until
@@ -205,4 +205,44 @@ def test_min_replicas_refuses_a_lock_no_replica_acknowledged(topology: Topology)
     assert 0.3 <= waited < 3.0
     key = job.lock_key_for((2,), {})
     assert topology.master.client().exists(key) == 0, "the unacknowledged lock was left behind"
+    forget_app_settings(app)
+
+
+def test_a_waiter_through_sentinel_listens_on_the_master_and_is_woken_by_the_release(
+    topology: Topology,
+) -> None:
+    """The wait policy's subscription resolves the master as every other connection does.
+
+    (It used to be opened at redis-py's default address, localhost:6379: refused
+    there, or, with a Redis on that port, never woken.)
+    """
+    app = make_app(topology, redislock_ttl=20.0)
+    entered, leave = threading.Event(), threading.Event()
+    ran: list[str] = []
+
+    @app.task(base=SingletonTask, shared=False, lock_args=(), lock_on_contention=Wait(15))
+    def job(label: str) -> str:
+        ran.append(label)
+        if label == "holder":
+            entered.set()
+            leave.wait(30)
+        return label
+
+    holder = threading.Thread(target=lambda: job.apply(("holder",)), daemon=True)
+    holder.start()
+    assert entered.wait(20)
+    waiter_done: list[float] = []
+    waiter = threading.Thread(
+        target=lambda: (job.apply(("waiter",)), waiter_done.append(time.monotonic())), daemon=True
+    )
+    waiter.start()
+    channel = f"{job.lock_key_for(('x',), {})}:released"
+    master = topology.master.client()
+    wait_until(lambda: master.pubsub_numsub(channel)[0][1] == 1, timeout=10)
+    released_at = time.monotonic()
+    leave.set()
+    waiter.join(20)
+    holder.join(20)
+    assert ran == ["holder", "waiter"]
+    assert waiter_done[0] - released_at < 3.0  # woken by the release, not the 20 s TTL
     forget_app_settings(app)

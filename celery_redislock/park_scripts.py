@@ -420,7 +420,7 @@ if released > 0 then
     end
     return released
 end
-if ARGV[6] == '1' then
+if ARGV[6] == '1' and redis.call('PTTL', KEYS[n + 2]) ~= -2 then
     for i = 1, n do
         local current = redis.call('GET', KEYS[i])
         if current and string.sub(current, -2) == '|w' then

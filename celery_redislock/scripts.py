@@ -83,9 +83,12 @@ end
 # on), else leaves it nil. The
 # message stays in the parked hash until a copy of the call is granted: if
 # this hold expires unused (the woken message died with its worker), a
-# sweep hands the call a slot again (pending.py).
+# sweep hands the call a slot again (pending.py). ``PTTL`` (-2: no such key)
+# before any list command: a release only a waiter marked (no parked call,
+# no list) then runs no list or hash command, so the documented base ACL
+# (docs/_parts/topologies.md, which has PTTL) is enough for it.
 HAND_OVER = """
-while true do
+while redis.call('PTTL', waiters) ~= -2 do
     local waiter = redis.call('LPOP', waiters)
     if not waiter then
         break
@@ -171,7 +174,7 @@ else
     ours = current == ARGV[1]
 end
 if not ours then
-    if ARGV[8] == '1' then
+    if ARGV[8] == '1' and redis.call('PTTL', KEYS[3]) ~= -2 then
         local message = redis.call('HGET', KEYS[3], current)
         if message then
             return {1, current, message}

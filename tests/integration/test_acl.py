@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import redis
 from celery import Celery
 
-from celery_redislock import LockBackendError, SingletonTask, Wait, is_skipped
+from celery_redislock import (
+    LockBackendError,
+    RedisLock,
+    ReleaseOutcome,
+    SingletonTask,
+    Wait,
+    is_skipped,
+)
 from celery_redislock.admin import LockInventory
 from celery_redislock.settings import forget_app_settings
 from celery_redislock.store import LockStore
@@ -61,6 +70,10 @@ HANDOFF_RULES = (
 )
 
 
+#: What docs/_parts/topologies.md adds for standalone locks named without a hash tag.
+STANDALONE_RULE = "~{redislock:*"
+
+
 @pytest.fixture
 def acl_server(redis_server_factory: Any) -> RedisServer:
     server: RedisServer = redis_server_factory(
@@ -69,6 +82,7 @@ def acl_server(redis_server_factory: Any) -> RedisServer:
         *[rule for rule in LOCK_USER_RULES if rule != "+publish"],
         "--user", "noset", "on", ">s3cret",
         *[rule for rule in LOCK_USER_RULES if rule != "+set"],
+        "--user", "standalone", "on", ">s3cret", *LOCK_USER_RULES, STANDALONE_RULE,
     )  # fmt: skip
     return server
 
@@ -187,3 +201,52 @@ def test_the_documented_rules_are_the_ones_tested() -> None:
     assert tuple(setuser.split()[5:]) == LOCK_USER_RULES
     handoff = next(line for line in text.splitlines() if line.strip().startswith("`+lpop"))
     assert tuple(handoff.strip().strip("`.").split()) == HANDOFF_RULES
+    assert f"add `{STANDALONE_RULE}`" in text.replace("\n  ", " ")
+
+
+@pytest.mark.parametrize(
+    ("user", "name"), [("locker", "redislock:{job}"), ("standalone", "redislock:job")]
+)
+def test_a_release_someone_waits_for_needs_no_list_or_hash_command(
+    acl_server: RedisServer, user: str, name: str
+) -> None:
+    """The documented rules wake a waiter: the release touches no hand-off key nobody made.
+
+    And a standalone lock reads its fence: under its hash tag, or, named
+    without one, with the rule the docs add for that.
+    """
+    client = redis.Redis(port=acl_server.port, username=user, password="s3cret", socket_timeout=2)
+    holder = RedisLock(client, name, ttl=10)
+    assert holder.acquire()
+    assert holder.fence > 0
+    waited: list[tuple[bool, float]] = []
+
+    def wait() -> None:
+        acquired = RedisLock(client, name, ttl=10).acquire(timeout=8)
+        waited.append((acquired, time.monotonic()))
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    admin = acl_server.client()
+    wait_until(lambda: (admin.get(name) or b"").endswith(b"|w"), timeout=5)  # marked
+    released_at = time.monotonic()
+    assert holder.release() is ReleaseOutcome.RELEASED
+    waiter.join(10)
+    [(acquired, at)] = waited
+    assert acquired and at - released_at < 3.0  # woken, not the 10 s TTL
+    client.close()
+
+
+def test_a_slot_released_by_owner_needs_no_list_or_hash_command(acl_server: RedisServer) -> None:
+    """``lock_limit``: a take-back or a parent's release frees the slot under the base rules."""
+    store = LockStore(f"redis://locker:s3cret@127.0.0.1:{acl_server.port}/0")
+    key = "redislock:t:{slots}"
+    try:
+        assert store.acquire_slot(key, 2, "v1|a", 10_000, (), "v1|a").acquired
+        taken = store.acquire_slot(key, 2, "v1|b", 10_000, (), "v1|b")
+        assert taken.acquired and taken.key != key
+        assert store.release_slot_of(key, 2, "v1|b") is ReleaseOutcome.RELEASED
+        assert store.release_slot_of(key, 2, "v1|a", "prefix") is ReleaseOutcome.RELEASED
+    finally:
+        store.close()
+    assert acl_server.client().keys("*slots*") == []

@@ -112,6 +112,7 @@ class StartupCheck(bootsteps.Step):
             return
         try:
             settings = app_settings(parent.app)
+            _check_tasks(parent.app)
             answers = check_lock_store(settings)
         except ConfigurationError as exc:
             logger.critical("celery-redislock: the worker cannot start: %s", exc)
@@ -126,6 +127,20 @@ class StartupCheck(bootsteps.Step):
             node = getattr(parent, "hostname", None)
             if node:
                 recover_at_start(parent.app, node, _worker_started_ms(parent))
+
+
+def _check_tasks(app: Any) -> None:
+    """Merge each singleton task's options over the app's settings, as its first run would.
+
+    Each setting may be fine alone and the merge refused (``redislock_limit=2``
+    with ``lock_hold_after_success``): raise that here, before ``ready``.
+
+    Raises:
+        ConfigurationError: a task's merged settings are refused.
+    """
+    for task in list(app.tasks.values()):
+        if isinstance(task, SingletonTaskMixin):
+            task.lock_settings()
 
 
 def _worker_started_ms(worker: Any) -> int:

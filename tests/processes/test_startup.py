@@ -142,3 +142,25 @@ def test_a_url_that_cannot_name_a_redis_server_stops_celery_worker(
     lock_url = url.format(port=server.port)
     line = _the_one_line(_start_and_fail(server, REDISLOCK_TEST_LOCK_URL=lock_url))
     assert f"redislock_url {lock_url!r}" in line and expected in line
+
+
+@pytest.mark.parametrize(
+    ("conf", "options"),
+    [
+        ({"redislock_limit": 2, "redislock_hold_after_success": 5}, {}),
+        ({"redislock_enqueue": True}, {"lock_limit": 2}),
+    ],
+)
+def test_a_combination_refused_only_once_merged_stops_celery_worker(
+    server: RedisServer, conf: dict[str, object], options: dict[str, object]
+) -> None:
+    # Each setting is fine alone; the task's merged settings are refused.
+    # They were checked only when a task ran: the worker started, and every
+    # run failed with the ConfigurationError.
+    done = _start_and_fail(
+        server,
+        REDISLOCK_TEST_CONF=json.dumps(conf),
+        REDISLOCK_TEST_TASK_OPTIONS=json.dumps(options),
+    )
+    line = _the_one_line(done)
+    assert "task tests.processes.startup_app.job" in line and "lock_limit" in line, line

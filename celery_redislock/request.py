@@ -4,11 +4,10 @@ When a pool child dies holding a lock (SIGKILL, OOM, a hard time limit,
 revoke with ``terminate``), :class:`SingletonRequest` releases it by owner
 prefix (task id, attempt, node, pid: see ``tokens.py``), which can never
 match a later attempt, and only once the child has exited. A task revoked
-or expired before it started frees its enqueue-time key
-(:func:`release_revoked_queued_lock`). A whole worker killed at once is
-covered by the TTL, which renewal keeps alive only while the holder lives,
-or, when it restarts under the same node name, by its start
-(``recovery.py``).
+or expired before it started frees its enqueue-time key (``revoked.py``).
+A whole worker killed at once is covered by the TTL, which renewal keeps
+alive only while the holder lives, or, when it restarts under the same node
+name, by its start (``recovery.py``).
 """
 
 from __future__ import annotations
@@ -18,24 +17,14 @@ import logging
 import os
 import signal as signals_module
 import time
-from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from billiard.exceptions import Terminated, TimeLimitExceeded, WorkerLostError
-from celery.signals import task_revoked
 from celery.worker.request import Request
 
 from celery_redislock._clock import clock
-from celery_redislock.handoff import marker_ttl_ms
-from celery_redislock.headers import (
-    DEBOUNCE_HEADER,
-    HANDOFF_HEADER,
-    QUEUED_TOKEN_HEADER,
-    own_values,
-    queued_token,
-    request_header,
-)
-from celery_redislock.keys import queued_key
+from celery_redislock.headers import QUEUED_TOKEN_HEADER
+from celery_redislock.revoked import release_queued_lock, release_revoked_queued_lock
 from celery_redislock.settings import TaskSettings
 from celery_redislock.store import ReleaseOutcome
 from celery_redislock.task import SingletonTaskMixin
@@ -46,6 +35,7 @@ __all__ = [
     "release_queued_lock",
     "release_revoked_queued_lock",
 ]
+
 
 # The documented logger name: the parent side was part of task.py.
 logger = logging.getLogger("celery_redislock.task")
@@ -325,77 +315,3 @@ def _exited(pid: int, timeout: float) -> bool:
 def _signal(pid: int, signum: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signum)
-
-
-def release_queued_lock(
-    task: SingletonTaskMixin, args: Sequence[Any], kwargs: dict[str, Any], token: str
-) -> None:
-    """Free the key of a queued task that will never run (revoked, expired).
-
-    ``args`` and ``kwargs`` are the message's, as the worker received them.
-    """
-    settings = task.lock_settings()
-    if settings.enabled:
-        key = task.lock_key_for_received(args, kwargs or {}, settings)
-        settings.backend.release(queued_key(key) if settings.coalesce else key, token)
-
-
-def _forget_revoked_burst(task: SingletonTaskMixin, request: Any) -> None:
-    """A debounced run revoked or expired before it started ends its burst.
-
-    Otherwise later calls would join a run that never comes until the
-    record expires.
-    """
-    try:
-        settings = task.lock_settings()
-        if settings.enabled and settings.debounce:
-            key = task.lock_key_for_received(request.args or (), request.kwargs or {}, settings)
-            settings.backend.debounce_due(key, request.id or "", forget=True)
-    except Exception:
-        logger.exception(
-            "could not end the debounce burst of revoked %s[%s]", task.name, request.id
-        )
-
-
-def _release_revoked_handoff(task: SingletonTaskMixin, request: Any, handoff: str) -> None:
-    """A parked call revoked or expired before it ran leaves the queue for good.
-
-    Withdrawn: no copy of it runs later, a sweep never hands it a slot again
-    (its message would otherwise stay, and be published every hand-off
-    TTL), and a lock already handed to it passes to the next parked call.
-    """
-    try:
-        settings = task.lock_settings()
-        if settings.enabled:
-            key = task.lock_key_for_received(request.args or (), request.kwargs or {}, settings)
-            park_ttl_ms = marker_ttl_ms(task.app.conf, settings.enqueue_ttl, settings.ttl)
-            settings.backend.withdraw(key, handoff, park_ttl_ms, settings.limit)
-    except Exception:
-        logger.exception("could not free the lock handed to revoked %s[%s]", task.name, request.id)
-
-
-@task_revoked.connect
-def release_revoked_queued_lock(
-    sender: Any = None, request: Any = None, terminated: bool = False, **kwargs: Any
-) -> None:
-    """A task revoked or expired before it started frees its enqueue-time key.
-
-    Runs in the worker's main process. A running execution has already
-    replaced the queued value with its own, which this compare leaves alone.
-    """
-    if not isinstance(sender, SingletonTaskMixin) or request is None or terminated:
-        return
-    if request_header(request, DEBOUNCE_HEADER):
-        _forget_revoked_burst(sender, request)
-    handoff = own_values(request, [(request.headers or {}).get(HANDOFF_HEADER)])
-    if handoff:
-        _release_revoked_handoff(sender, request, handoff[0])
-    token = queued_token(request)
-    if token is None:
-        return
-    try:
-        release_queued_lock(sender, request.args or (), request.kwargs or {}, token)
-    except Exception:
-        logger.exception(
-            "could not free the queued lock of revoked %s[%s]", sender.name, request.id
-        )

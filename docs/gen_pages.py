@@ -161,6 +161,7 @@ REFERENCE: dict[str, tuple[str, list[str]]] = {
             "celery_redislock.handoff",
             "celery_redislock.owners",
             "celery_redislock.startup",
+            "celery_redislock.revoked",
             "celery_redislock.recovery",
         ],
     ),

@@ -529,3 +529,40 @@ def test_a_stored_copy_expires_when_the_call_does(app: Celery) -> None:
         < expires
         <= datetime.now(timezone.utc) + timedelta(seconds=60)
     )
+
+
+def _scheduled(app: Celery, task_id: str) -> bool:
+    """True once a worker holds ``task_id`` for its countdown (Celery's ``inspect scheduled``)."""
+    replies = app.control.inspect(timeout=1).scheduled() or {}
+    return any(entry["request"]["id"] == task_id for rows in replies.values() for entry in rows)
+
+
+@pytest.mark.parametrize("mode", ["until_done", "until_start", "debounce"])
+def test_a_task_revoked_during_its_countdown_frees_its_key_at_once(
+    app_factory: Any, record: redis.Redis, mode: str
+) -> None:
+    """Not when its countdown ends: calls meanwhile would join a run that never comes."""
+    app = app_factory()
+    options: dict[str, Any] = (
+        {"lock_debounce": 60} if mode == "debounce" else {"lock_enqueue": mode}
+    )
+
+    @app.task(base=SingletonTask, shared=False, lock_args=("account",), **options)
+    def recompute(account: int) -> int:
+        record.rpush("runs", account)
+        return account
+
+    with embedded_worker(app, "threads", 2):
+        if mode == "debounce":
+            revoked = recompute.delay(1)  # its countdown is the 60 s window
+        else:
+            revoked = recompute.apply_async((1,), countdown=60)
+        wait_until(lambda: _scheduled(app, revoked.id), timeout=20)
+        assert app.control.revoke(revoked.id, reply=True, timeout=5)
+        later = recompute.delay(1)
+        assert later.id != revoked.id  # published (or a new burst), not joined to the revoked run
+        if mode != "debounce":
+            assert later.get(timeout=20) == 1
+            assert record.lrange("runs", 0, -1) == ["1"]
+        else:
+            later.revoke()

@@ -1,0 +1,176 @@
+"""Worker's parent: a task revoked or expired before it started gives back its keys.
+
+Celery discards a revoked message when it reaches it: at once for one still
+in the queue, but a message the worker holds for its countdown (an ETA, a
+debounced run's window) only when the countdown ends, maybe hours later. Until
+then every call of its key would join a run that never comes (``lock_enqueue``,
+coalescing, debounce). So the keys are given back twice, the second time
+a no-op (each is a compare-and-delete of this task's own value):
+
+* when the ``revoke`` (or ``terminate``) control command reaches the worker
+  that holds the message, for a message it has not started
+  (:func:`install_revoke_hook`, wrapping Celery's command: Celery has no
+  signal for a revoke received);
+* when Celery discards the message (``task_revoked``,
+  :func:`release_revoked_queued_lock`).
+
+Runs in the worker's main process, never in a pool child.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from celery.signals import task_revoked, worker_init
+from celery.utils.functional import maybe_list
+from celery.worker import state as worker_state
+from celery.worker.control import Panel
+
+from celery_redislock.handoff import marker_ttl_ms
+from celery_redislock.headers import (
+    DEBOUNCE_HEADER,
+    HANDOFF_HEADER,
+    own_values,
+    queued_token,
+    request_header,
+)
+from celery_redislock.keys import queued_key
+from celery_redislock.task import SingletonTaskMixin
+
+__all__ = ["install_revoke_hook", "release_queued_lock", "release_revoked_queued_lock"]
+
+# The documented logger name: the parent side was part of task.py.
+logger = logging.getLogger("celery_redislock.task")
+
+#: Celery's control commands that revoke, wrapped by :func:`install_revoke_hook`.
+_REVOKING_COMMANDS = ("revoke", "terminate")
+
+
+def release_queued_lock(
+    task: SingletonTaskMixin, args: Sequence[Any], kwargs: dict[str, Any], token: str
+) -> None:
+    """Free the key of a queued task that will never run (revoked, expired).
+
+    ``args`` and ``kwargs`` are the message's, as the worker received them.
+    """
+    settings = task.lock_settings()
+    if settings.enabled:
+        key = task.lock_key_for_received(args, kwargs or {}, settings)
+        settings.backend.release(queued_key(key) if settings.coalesce else key, token)
+
+
+def _forget_revoked_burst(task: SingletonTaskMixin, request: Any) -> None:
+    """A debounced run revoked or expired before it started ends its burst.
+
+    Otherwise later calls would join a run that never comes until the
+    record expires.
+    """
+    try:
+        settings = task.lock_settings()
+        if settings.enabled and settings.debounce:
+            key = task.lock_key_for_received(request.args or (), request.kwargs or {}, settings)
+            settings.backend.debounce_due(key, request.id or "", forget=True)
+    except Exception:
+        logger.exception(
+            "could not end the debounce burst of revoked %s[%s]", task.name, request.id
+        )
+
+
+def _release_revoked_handoff(task: SingletonTaskMixin, request: Any, handoff: str) -> None:
+    """A parked call revoked or expired before it ran leaves the queue for good.
+
+    Withdrawn: no copy of it runs later, a sweep never hands it a slot again
+    (its message would otherwise stay, and be published every hand-off
+    TTL), and a lock already handed to it passes to the next parked call.
+    """
+    try:
+        settings = task.lock_settings()
+        if settings.enabled:
+            key = task.lock_key_for_received(request.args or (), request.kwargs or {}, settings)
+            park_ttl_ms = marker_ttl_ms(task.app.conf, settings.enqueue_ttl, settings.ttl)
+            settings.backend.withdraw(key, handoff, park_ttl_ms, settings.limit)
+    except Exception:
+        logger.exception("could not free the lock handed to revoked %s[%s]", task.name, request.id)
+
+
+@task_revoked.connect
+def release_revoked_queued_lock(
+    sender: Any = None, request: Any = None, terminated: bool = False, **kwargs: Any
+) -> None:
+    """A task revoked or expired before it started frees its enqueue-time key.
+
+    Runs in the worker's main process. A running execution has already
+    replaced the queued value with its own, which this compare leaves alone.
+    """
+    if not isinstance(sender, SingletonTaskMixin) or request is None or terminated:
+        return
+    if request_header(request, DEBOUNCE_HEADER):
+        _forget_revoked_burst(sender, request)
+    handoff = own_values(request, [(request.headers or {}).get(HANDOFF_HEADER)])
+    if handoff:
+        _release_revoked_handoff(sender, request, handoff[0])
+    token = queued_token(request)
+    if token is None:
+        return
+    try:
+        release_queued_lock(sender, request.args or (), request.kwargs or {}, token)
+    except Exception:
+        logger.exception(
+            "could not free the queued lock of revoked %s[%s]", sender.name, request.id
+        )
+
+
+def _not_started(task_id: str) -> Any:
+    """This worker's request for ``task_id`` if it holds it and has not started it, else None.
+
+    Held for its countdown, or prefetched and not yet handed to the pool (a
+    request handed over may already run: its execution gives the keys back).
+    """
+    request = worker_state.requests.get(task_id)
+    if (
+        request is None
+        or request in worker_state.active_requests
+        or getattr(request, "_apply_result", None) is not None
+        or getattr(request, "time_start", None) is not None
+    ):
+        return None
+    return request
+
+
+def _give_back_revoked(task_ids: Sequence[str]) -> None:
+    for task_id in task_ids:
+        request = _not_started(task_id)
+        if request is not None and isinstance(request.task, SingletonTaskMixin):
+            # The message's own context: what task_revoked passes when Celery
+            # discards it later (args, kwargs, headers as received).
+            release_revoked_queued_lock(sender=request.task, request=request._context)
+
+
+def _revoking(command: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(command)
+    def revoke_then_give_back(state: Any, **arguments: Any) -> Any:
+        reply = command(state, **arguments)
+        try:
+            _give_back_revoked([str(i) for i in maybe_list(arguments.get("task_id")) or []])
+        except Exception:
+            logger.exception("could not free the keys of revoked tasks")
+        return reply
+
+    revoke_then_give_back.redislock_wrapped = True  # type: ignore[attr-defined]
+    return revoke_then_give_back
+
+
+def install_revoke_hook() -> None:
+    """Wrap Celery's ``revoke`` and ``terminate`` control commands (once per process)."""
+    for name in _REVOKING_COMMANDS:
+        command = Panel.data.get(name)
+        if command is not None and not getattr(command, "redislock_wrapped", False):
+            Panel.data[name] = _revoking(command)
+
+
+@worker_init.connect(weak=False)
+def _install_at_worker_start(sender: Any = None, **_: Any) -> None:
+    install_revoke_hook()

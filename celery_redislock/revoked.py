@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from celery.signals import task_revoked, worker_init
@@ -123,30 +123,51 @@ def release_revoked_queued_lock(
         )
 
 
-def _not_started(task_id: str) -> Any:
-    """This worker's request for ``task_id`` if it holds it and has not started it, else None.
+def _snapshot(requests: Iterable[Any]) -> list[Any]:
+    """A copy of one of Celery's request sets (a timer thread may change it meanwhile)."""
+    for _ in range(5):
+        try:
+            return list(requests)
+        except RuntimeError:  # changed size during iteration: copy again
+            continue
+    return []
 
-    Held for its countdown, or prefetched and not yet handed to the pool (a
+
+def _not_started(task_id: str) -> list[Any]:
+    """This worker's requests for ``task_id`` that it holds and has not started.
+
+    Held for a countdown, or prefetched and not yet handed to the pool (a
     request handed over may already run: its execution gives the keys back).
+    Found in Celery's sets too, not only by id: a copy re-sent with the same
+    id (``self.retry(countdown=...)``, a parked call's safety net) arrives
+    while the attempt that sent it runs, whose end then forgets the id.
     """
-    request = worker_state.requests.get(task_id)
-    if (
-        request is None
-        or request in worker_state.active_requests
-        or getattr(request, "_apply_result", None) is not None
-        or getattr(request, "time_start", None) is not None
-    ):
-        return None
-    return request
+    candidates = [worker_state.requests.get(task_id)]
+    # scheduled_requests: Celery >= 5.7 keeps the countdown's requests apart.
+    scheduled = getattr(worker_state, "scheduled_requests", ())
+    for requests in (scheduled, worker_state.reserved_requests):
+        candidates += [request for request in _snapshot(requests) if request.id == task_id]
+    found: list[Any] = []
+    for request in candidates:
+        if (
+            request is None
+            or any(request is other for other in found)
+            or request in worker_state.active_requests
+            or getattr(request, "_apply_result", None) is not None
+            or getattr(request, "time_start", None) is not None
+        ):
+            continue
+        found.append(request)
+    return found
 
 
 def _give_back_revoked(task_ids: Sequence[str]) -> None:
     for task_id in task_ids:
-        request = _not_started(task_id)
-        if request is not None and isinstance(request.task, SingletonTaskMixin):
-            # The message's own context: what task_revoked passes when Celery
-            # discards it later (args, kwargs, headers as received).
-            release_revoked_queued_lock(sender=request.task, request=request._context)
+        for request in _not_started(task_id):
+            if isinstance(request.task, SingletonTaskMixin):
+                # The message's own context: what task_revoked passes when
+                # Celery discards it later (args, kwargs, headers as received).
+                release_revoked_queued_lock(sender=request.task, request=request._context)
 
 
 def _revoking(command: Callable[..., Any]) -> Callable[..., Any]:

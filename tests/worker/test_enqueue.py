@@ -566,3 +566,57 @@ def test_a_task_revoked_during_its_countdown_frees_its_key_at_once(
             assert record.lrange("runs", 0, -1) == ["1"]
         else:
             later.revoke()
+
+
+@pytest.mark.parametrize("pool", ["threads", "prefork"])
+def test_a_task_revoked_while_its_retry_waits_for_its_countdown_frees_its_key(
+    app_factory: Any, record: redis.Redis, pool: str
+) -> None:
+    """The retried copy shares the task id; Celery forgets it by id when the first attempt ends."""
+    app = app_factory()
+
+    @app.task(
+        base=SingletonTask, bind=True, shared=False, lock_args=("account",), lock_enqueue=True
+    )
+    def recompute(self: Any, account: int) -> int:
+        record.rpush("runs", self.request.retries)
+        if self.request.retries == 0 and record.incr("retried") == 1:
+            raise self.retry(countdown=60)
+        return account
+
+    with embedded_worker(app, pool, 2):
+        first = recompute.delay(1)
+        wait_until(lambda: _scheduled(app, first.id), timeout=20)
+        assert app.control.revoke(first.id, reply=True, timeout=5)
+        later = recompute.delay(1)
+        assert later.id != first.id  # published, not joined to the revoked retry
+        assert later.get(timeout=20) == 1
+
+
+@pytest.mark.parametrize("pool", ["threads", "prefork"])
+def test_a_coalesced_run_revoked_after_it_parked_lets_the_next_call_publish(
+    app_factory: Any, record: redis.Redis, lock_client: redis.Redis, pool: str
+) -> None:
+    """Its safety-net copy (same id, a countdown) is what the worker holds: found by the revoke."""
+    app = app_factory()
+
+    @app.task(base=SingletonTask, shared=False, lock_args=("account",), lock_enqueue="until_start")
+    def recompute(account: int, label: str) -> str:
+        record.rpush("runs", label)
+        if label == "running":
+            wait_until(lambda: record.get("go"), timeout=30)
+        return label
+
+    with embedded_worker(app, pool, 2):
+        running = recompute.delay(1, "running")
+        wait_until(lambda: record.llen("runs") == 1, timeout=20)
+        parked = recompute.delay(1, "parked")
+        waiters = b"*:waiters"
+        wait_until(lambda: any(lock_client.llen(k) for k in lock_client.scan_iter(waiters)))
+        assert app.control.revoke(parked.id, reply=True, timeout=5)
+        later = recompute.delay(1, "later")
+        assert later.id != parked.id  # published: the revoked run gave its queued key back
+        record.set("go", 1)
+        assert running.get(timeout=20) == "running"
+        assert later.get(timeout=20) == "later"
+    assert record.lrange("runs", 0, -1) == ["running", "later"]

@@ -57,6 +57,7 @@ from celery_redislock.pending_scripts import (
     REAP_QUEUED,
     SETTLE,
     TOUCH,
+    WITHDRAW_RUN,
 )
 from celery_redislock.store import LockStore, backend_error, decode_text
 from celery_redislock.transport import ScriptCall
@@ -278,6 +279,25 @@ class PendingIndex:
         pttl = int(reply[2])
         holder = decode_text(reply[1], self.store.encoding_for(key))
         return False, holder, pttl / 1000.0 if pttl >= 0 else None
+
+    def withdraw_run(self, key: str, token: str, task_id: str, handoff: str) -> bool:
+        """Undo :meth:`queue_run` after its publish failed, unless a copy of the run runs.
+
+        Returns:
+            True when a sweep already published a copy of the run (queued,
+            started or parked: nothing was withdrawn); False once the queued
+            key and the run's record are gone.
+
+        Raises:
+            LockBackendError: the store is unreachable or refused the script.
+        """
+        _, parked, ran = handoff_keys(key)
+        keys = (queued_key(key), next_run_key(key), ran, parked)
+        call = (WITHDRAW_RUN, keys, (token, task_id, handoff))
+        try:
+            return int(self.store.run_scripts([call])[0]) == 1
+        except RedisError as exc:
+            raise backend_error(exc, "withdraw a run of", key, self.store.describe()) from exc
 
     def put_outbox(self, message_id: str, message: bytes, delay_ms: int, ttl_ms: int) -> None:
         """Keep ``message`` for a sweep to publish in ``delay_ms`` (the broker refused it).

@@ -23,6 +23,7 @@ __all__ = [
     "REAP_QUEUED",
     "SETTLE",
     "TOUCH",
+    "WITHDRAW_RUN",
 ]
 
 # Sets ``now``: the server clock in milliseconds. Every time in the index
@@ -381,6 +382,34 @@ return {1}
 )
 
 QUEUE_RUN = Script(QUEUE_RUN_SCRIPT)
+
+# Withdraws a coalesced run whose publish failed (QUEUE_RUN undone), unless
+# a copy of it runs anyway: a sweep published one, which may have started
+# (its hand-off value marked ran) or parked already. The index member is
+# left to the sweep, which drops it (another hash slot).
+#
+# KEYS[1] - the queued key; KEYS[2] - its run's record (keys.next_run_key)
+# KEYS[3] - the key's ran hash; KEYS[4] - the key's parked hash
+# ARGV[1] - the run's queued token; ARGV[2] - the run's task id
+# ARGV[3] - the run's hand-off value
+# returns 1 when a copy runs (nothing changed), else 0
+WITHDRAW_RUN_SCRIPT = """
+local record = redis.call('HMGET', KEYS[2], 'id', 'copies')
+if (record[1] == ARGV[2] and tonumber(record[2] or '0') > 0)
+        or redis.call('HEXISTS', KEYS[3], ARGV[3]) == 1
+        or redis.call('HEXISTS', KEYS[4], ARGV[3]) == 1 then
+    return 1
+end
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+    redis.call('DEL', KEYS[1])
+end
+if record[1] == ARGV[2] then
+    redis.call('DEL', KEYS[2])
+end
+return 0
+"""
+
+WITHDRAW_RUN = Script(WITHDRAW_RUN_SCRIPT)
 
 
 # Forgets a coalesced run's member once the run started or parked; sent in

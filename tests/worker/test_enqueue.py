@@ -16,7 +16,7 @@ from celery_redislock.task import QUEUED_TOKEN_HEADER
 from tests.brokers import QUORUM, RABBITMQ, declare_as_a_worker_would, queue_length
 from tests.conftest import LOCK_DB, embedded_worker
 from tests.helpers import decoded, hold_lock
-from tests.servers import FaultProxy, RedisServer, wait_until
+from tests.servers import FaultProxy, RedisServer, free_port, wait_until
 
 pytestmark = pytest.mark.worker
 
@@ -620,3 +620,26 @@ def test_a_coalesced_run_revoked_after_it_parked_lets_the_next_call_publish(
         assert running.get(timeout=20) == "running"
         assert later.get(timeout=20) == "later"
     assert record.lrange("runs", 0, -1) == ["running", "later"]
+
+
+def test_a_coalesced_call_whose_slow_publish_failed_after_a_sweep_copied_it_is_reported_published(
+    app_factory: Any, record: redis.Redis, lock_client: redis.Redis
+) -> None:
+    """The sweep cannot tell a slow publish from a dead worker: the call runs, so delay() says so.
+
+    Before: delay() raised, and the call ran anyway (the sweep's copy).
+    """
+    app = app_factory(redislock_ttl=1, redislock_sweep_interval=0.1)
+
+    @app.task(base=SingletonTask, shared=False, lock_args=("account",), lock_enqueue="until_start")
+    def recompute(account: int) -> int:
+        record.rpush("runs", account)
+        return account
+
+    with embedded_worker(app, "threads", 2):
+        nowhere = app.connection_for_write(f"redis://127.0.0.1:{free_port()}/0")
+        policy = {"max_retries": 3, "interval_start": 1, "interval_step": 0, "interval_max": 1}
+        slow = recompute.apply_async((1,), connection=nowhere, retry=True, retry_policy=policy)
+        assert slow.get(timeout=20) == 1  # the sweep's copy, under the call's own id
+        wait_until(lambda: lock_client.exists(recompute.lock_key_for((1,), {})) == 0, timeout=10)
+    assert record.lrange("runs", 0, -1) == ["1"]

@@ -154,46 +154,46 @@ def publish_once(
         return _duplicate(task, settings, key, task_id, result)
     try:
         return publish(args, kwargs, task_id=task_id, headers=headers, **options)
-    except Exception as exc:
-        if settings.coalesce and _copied_by_a_sweep(task, settings, lock_key, token, task_id, exc):
-            return task.AsyncResult(task_id)
-        take_back_value(settings.backend, key, token)  # nothing was queued: free the key
-        raise
-    except BaseException:
+    except BaseException as exc:
+        if settings.coalesce and _a_copy_runs(task, settings, lock_key, token, task_id, exc):
+            if isinstance(exc, Exception):
+                return task.AsyncResult(task_id)
+            raise  # interrupted: re-raised, and the run's key left to the copy that runs
         take_back_value(settings.backend, key, token)  # nothing was queued: free the key
         raise
 
 
-def _copied_by_a_sweep(
+def _a_copy_runs(
     task: LockedTask,
     settings: TaskSettings,
     key: str,
     token: str,
     task_id: str,
-    error: Exception,
+    error: BaseException,
 ) -> bool:
-    """After a coalesced run's publish failed: withdraw it, or learn that it runs anyway.
+    """After a coalesced run's publish failed: withdraw it, or learn that a copy of it runs.
 
     A publish slower than the grace (a broker down, kombu retrying) looks to
     the workers' sweep like a worker that died with the message: it
-    publishes the stored copy. That copy runs, so the call is reported
-    published (its handle), not failed.
+    publishes the stored copy. Once that copy reached a worker (granted or
+    parked) it runs, so the call is reported published (its handle), not
+    failed. Otherwise the call is withdrawn.
     """
     pending = app_pending(task.app, _producer_store(settings), settings.app.key_prefix)
+    handoff = LockValue.parked(task_id, 0, task.name).encode()  # as stored_message made it
     try:
-        handoff = LockValue.parked(task_id, 0, task.name).encode()  # as stored_message made it
-        copied = pending.withdraw_run(key, token, task_id, handoff)
+        runs = pending.withdraw_run(key, token, task_id, handoff)
     except LockBackendError:
         return False  # the caller's take-back retries in the background
-    if copied:
+    if runs:
         logger.warning(
-            "publishing %s[%s] failed (%s), but a worker's sweep had already published "
-            "its stored copy: it runs under this id",
+            "publishing %s[%s] failed (%r), but a copy a worker's sweep published "
+            "already reached a worker: it runs under this id",
             task.name,
             task_id,
             error,
         )
-    return copied
+    return runs
 
 
 def stored_message(

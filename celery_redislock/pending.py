@@ -284,9 +284,10 @@ class PendingIndex:
         """Undo :meth:`queue_run` after its publish failed, unless a copy of the run runs.
 
         Returns:
-            True when a sweep already published a copy of the run (queued,
-            started or parked: nothing was withdrawn); False once the queued
-            key and the run's record are gone.
+            True when a copy a sweep published has reached a worker (granted
+            or parked: nothing was withdrawn); False once the queued key and
+            the run's record are gone (a copy still in the broker may yet
+            run: it then takes the free key).
 
         Raises:
             LockBackendError: the store is unreachable or refused the script.

@@ -384,9 +384,10 @@ return {1}
 QUEUE_RUN = Script(QUEUE_RUN_SCRIPT)
 
 # Withdraws a coalesced run whose publish failed (QUEUE_RUN undone), unless
-# a copy of it runs anyway: a sweep published one, which may have started
-# (its hand-off value marked ran) or parked already. The index member is
-# left to the sweep, which drops it (another hash slot).
+# a copy a sweep published has reached a worker: granted (its hand-off value
+# marked ran by that copy) or parked. A sweep's claim alone ('?' in the ran
+# hash, ``copies`` counted) proves nothing: its publish may have failed too.
+# The index member is left to the sweep, which drops it (another hash slot).
 #
 # KEYS[1] - the queued key; KEYS[2] - its run's record (keys.next_run_key)
 # KEYS[3] - the key's ran hash; KEYS[4] - the key's parked hash
@@ -394,16 +395,14 @@ QUEUE_RUN = Script(QUEUE_RUN_SCRIPT)
 # ARGV[3] - the run's hand-off value
 # returns 1 when a copy runs (nothing changed), else 0
 WITHDRAW_RUN_SCRIPT = """
-local record = redis.call('HMGET', KEYS[2], 'id', 'copies')
-if (record[1] == ARGV[2] and tonumber(record[2] or '0') > 0)
-        or redis.call('HEXISTS', KEYS[3], ARGV[3]) == 1
-        or redis.call('HEXISTS', KEYS[4], ARGV[3]) == 1 then
+local ran = redis.call('HGET', KEYS[3], ARGV[3])
+if (ran and ran ~= '?') or redis.call('HEXISTS', KEYS[4], ARGV[3]) == 1 then
     return 1
 end
 if redis.call('GET', KEYS[1]) == ARGV[1] then
     redis.call('DEL', KEYS[1])
 end
-if record[1] == ARGV[2] then
+if redis.call('HGET', KEYS[2], 'id') == ARGV[2] then
     redis.call('DEL', KEYS[2])
 end
 return 0

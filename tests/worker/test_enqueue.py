@@ -654,3 +654,35 @@ def test_a_coalesced_call_whose_slow_publish_failed_after_a_sweep_copied_it_is_r
         assert slow.get(timeout=20) == 1  # the sweep's copy, under the call's own id
         wait_until(lambda: lock_client.exists(recompute.lock_key_for((1,), {})) == 0, timeout=10)
     assert record.lrange("runs", 0, -1) == ["1"]
+
+
+@pytest.mark.skipif(RABBITMQ, reason="makes a Redis broker refuse writes")
+def test_a_coalesced_call_whose_publish_and_sweep_copy_both_failed_raises_and_is_not_joined(
+    app_factory: Any, redis_server_factory: Any, record: redis.Redis
+) -> None:
+    """A copy the sweep claimed but could not publish is no proof that the call runs (review)."""
+    broker: RedisServer = redis_server_factory()
+    app = app_factory(
+        broker_url=broker.url_for(0),
+        redislock_ttl=1,
+        redislock_sweep_interval=0.1,
+        redislock_enqueue_ttl=6,
+    )
+
+    @app.task(base=SingletonTask, shared=False, lock_args=("account",), lock_enqueue="until_start")
+    def recompute(account: int) -> int:
+        record.rpush("runs", account)
+        return account
+
+    with embedded_worker(app, "threads", 2):
+        refusing = broker.client()
+        refusing.config_set("maxmemory-policy", "noeviction")
+        refusing.config_set("maxmemory", 1)  # every publish fails (OOM), the sweep's too
+        nowhere = app.connection_for_write(f"redis://127.0.0.1:{free_port()}/0")
+        policy = {"max_retries": 3, "interval_start": 1, "interval_step": 0, "interval_max": 1}
+        with pytest.raises(Exception):  # noqa: B017  (kombu's OperationalError)
+            recompute.apply_async((1,), connection=nowhere, retry=True, retry_policy=policy)
+        refusing.config_set("maxmemory", 0)
+        later = recompute.delay(1)  # published, not joined to a call that never runs
+        assert later.get(timeout=20) == 1
+    assert record.lrange("runs", 0, -1) == ["1"]

@@ -155,22 +155,26 @@ def publish_once(
     try:
         return publish(args, kwargs, task_id=task_id, headers=headers, **options)
     except BaseException as exc:
-        if settings.coalesce and _a_copy_runs(task, settings, lock_key, token, task_id, exc):
-            if isinstance(exc, Exception):
-                return task.AsyncResult(task_id)
-            raise  # interrupted: re-raised, and the run's key left to the copy that runs
-        take_back_value(settings.backend, key, token)  # nothing was queued: free the key
-        raise
+        copy_runs = (
+            _withdraw_run(task, settings, lock_key, token, task_id, exc)
+            if settings.coalesce
+            else None
+        )
+        if copy_runs and isinstance(exc, Exception):
+            return task.AsyncResult(task_id)
+        if copy_runs is None:  # not withdrawn (the store failed, or not coalescing)
+            take_back_value(settings.backend, key, token)  # nothing was queued: free the key
+        raise  # an interruption leaves the run's key to the copy that runs
 
 
-def _a_copy_runs(
+def _withdraw_run(
     task: LockedTask,
     settings: TaskSettings,
     key: str,
     token: str,
     task_id: str,
     error: BaseException,
-) -> bool:
+) -> bool | None:
     """After a coalesced run's publish failed: withdraw it, or learn that a copy of it runs.
 
     A publish slower than the grace (a broker down, kombu retrying) looks to
@@ -178,13 +182,17 @@ def _a_copy_runs(
     publishes the stored copy. Once that copy reached a worker (granted or
     parked) it runs, so the call is reported published (its handle), not
     failed. Otherwise the call is withdrawn.
+
+    Returns:
+        True: a copy runs; False: withdrawn (its keys are free); None: the
+        store failed (nothing known: the caller takes the value back).
     """
     pending = app_pending(task.app, _producer_store(settings), settings.app.key_prefix)
     handoff = LockValue.parked(task_id, 0, task.name).encode()  # as stored_message made it
     try:
         runs = pending.withdraw_run(key, token, task_id, handoff)
     except LockBackendError:
-        return False  # the caller's take-back retries in the background
+        return None
     if runs:
         logger.warning(
             "publishing %s[%s] failed (%r), but a copy a worker's sweep published "

@@ -36,7 +36,6 @@ __all__ = [
     "release_revoked_queued_lock",
 ]
 
-
 # The documented logger name: the parent side was part of task.py.
 logger = logging.getLogger("celery_redislock.task")
 

@@ -221,6 +221,19 @@ def _free_cluster_port() -> int:
     raise RuntimeError("no free port pair for a cluster node")
 
 
+def cluster_node() -> RedisServer:
+    """A cluster-enabled server on a free port pair, not joined to any cluster yet."""
+    return RedisServer(
+        "--cluster-enabled",
+        "yes",
+        "--cluster-config-file",
+        "nodes.conf",
+        "--cluster-node-timeout",
+        "5000",
+        port=_free_cluster_port(),
+    )
+
+
 class RedisClusterServers:
     """Three cluster-enabled servers (masters, no replicas), joined by commands."""
 
@@ -228,17 +241,7 @@ class RedisClusterServers:
         self.nodes: list[RedisServer] = []
         try:
             for _ in range(masters):
-                self.nodes.append(
-                    RedisServer(
-                        "--cluster-enabled",
-                        "yes",
-                        "--cluster-config-file",
-                        "nodes.conf",
-                        "--cluster-node-timeout",
-                        "5000",
-                        port=_free_cluster_port(),
-                    )
-                )
+                self.nodes.append(cluster_node())
             _join_cluster(self.nodes)
 
             def settled() -> bool:

@@ -13,7 +13,7 @@ from redis.cluster import RedisCluster
 
 from celery_redislock import LockBackendError, RedisLock
 from celery_redislock.store import LockStore, RenewOutcome
-from tests.servers import RedisClusterServers, RedisServer, _free_cluster_port, wait_until
+from tests.servers import RedisClusterServers, RedisServer, cluster_node, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -112,15 +112,7 @@ def test_renewals_follow_a_failover_to_the_promoted_replica() -> None:
     cluster = RedisClusterServers(masters=3)
     replica: RedisServer | None = None
     try:
-        replica = RedisServer(
-            "--cluster-enabled",
-            "yes",
-            "--cluster-config-file",
-            "nodes.conf",
-            "--cluster-node-timeout",
-            "5000",
-            port=_free_cluster_port(),
-        )
+        replica = cluster_node()
         promoted = replica
         promoted.client().execute_command("CLUSTER", "MEET", "127.0.0.1", cluster.nodes[0].port)
         master = cluster.node_holding(KEY)

@@ -385,8 +385,9 @@ QUEUE_RUN = Script(QUEUE_RUN_SCRIPT)
 
 # Withdraws a coalesced run whose publish failed (QUEUE_RUN undone), unless
 # a copy a sweep published has reached a worker: granted (its hand-off value
-# marked ran by that copy) or parked. A sweep's claim alone ('?' in the ran
-# hash, ``copies`` counted) proves nothing: its publish may have failed too.
+# marked ran by that copy's tag) or parked. A sweep's claim alone ('?' in
+# the ran hash, ``copies`` counted) proves nothing: its publish may have
+# failed too; nor does 'withdrawn' (UNPARK: a copy that gave up, revoked).
 # The index member is left to the sweep, which drops it (another hash slot).
 #
 # KEYS[1] - the queued key; KEYS[2] - its run's record (keys.next_run_key)
@@ -396,7 +397,7 @@ QUEUE_RUN = Script(QUEUE_RUN_SCRIPT)
 # returns 1 when a copy runs (nothing changed), else 0
 WITHDRAW_RUN_SCRIPT = """
 local ran = redis.call('HGET', KEYS[3], ARGV[3])
-if (ran and ran ~= '?') or redis.call('HEXISTS', KEYS[4], ARGV[3]) == 1 then
+if (ran and ran ~= '?' and ran ~= 'withdrawn') or redis.call('HEXISTS', KEYS[4], ARGV[3]) == 1 then
     return 1
 end
 if redis.call('GET', KEYS[1]) == ARGV[1] then

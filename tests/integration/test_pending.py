@@ -281,3 +281,30 @@ def test_a_lock_store_user_with_the_documented_rules_runs_the_sweep(
         assert index.take_outbox("id-1") == b"message"
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("ran_mark", ["withdrawn", "?"])
+def test_a_failed_coalesced_publish_is_withdrawn_unless_a_copy_was_granted_or_parked(
+    index: PendingIndex, lock_client: redis.Redis, ran_mark: str
+) -> None:
+    """Neither a sweep's claim ('?') nor a copy that gave up ('withdrawn') is a copy that runs."""
+    from celery_redislock.tokens import LockValue
+
+    key, task_id, name = "redislock:t:{withdraw}", "task-a", "t"
+    token = LockValue.queued(task_id, name).encode()
+    handoff = LockValue.parked(task_id, 0, name).encode()
+    queued, _holder, _ttl = index.queue_run(key, token, 60_000, handoff, b"m", 0, task_id, 1_000)
+    assert queued
+    ran = handoff_keys(key)[2]
+    lock_client.hset(ran, handoff, ran_mark)
+    assert index.withdraw_run(key, token, task_id, handoff) is False
+    assert lock_client.exists(queued_key(key), next_run_key(key)) == 0
+
+    # A copy that was granted the lock (its tag) or is parked: the call runs.
+    assert index.queue_run(key, token, 60_000, handoff, b"m", 0, task_id, 1_000)[0]
+    lock_client.hset(ran, handoff, "w:tag")
+    assert index.withdraw_run(key, token, task_id, handoff) is True
+    lock_client.hdel(ran, handoff)
+    lock_client.hset(handoff_keys(key)[1], handoff, "message")
+    assert index.withdraw_run(key, token, task_id, handoff) is True
+    assert lock_client.get(queued_key(key)) == token.encode()

@@ -146,11 +146,17 @@ class ParkingAttempt(LockAttempt):
             resend(self.task, due, LockContended(self.key, None, due), {})
 
     def _withdraw(self) -> None:
-        """Take this call out of the hand-off queue for good (best effort: never raises)."""
+        """Take this call out of the hand-off queue for good (best effort: never raises).
+
+        A coalesced run also gives its queued key back: later calls publish
+        the next run instead of joining this one, which ends here.
+        """
         try:
             self.settings.backend.withdraw(
                 self.key, self.parked_value, self.park_ttl_ms, self.settings.limit
             )
+            if self.queued_slot is not None:
+                self.settings.backend.release(*self.queued_slot)
         except Exception:
             logger.warning(
                 "%s[%s]: could not withdraw the parked call from lock %s; a copy of it may "

@@ -11,7 +11,15 @@ import pytest
 import redis
 from celery import Celery, chain, group
 
-from celery_redislock import AlreadyQueued, Retry, SingletonTask, Wait, is_skipped
+from celery_redislock import (
+    AlreadyQueued,
+    HandOff,
+    LockContended,
+    Retry,
+    SingletonTask,
+    Wait,
+    is_skipped,
+)
 from celery_redislock.task import QUEUED_TOKEN_HEADER
 from tests.brokers import QUORUM, RABBITMQ, declare_as_a_worker_would, queue_length
 from tests.conftest import LOCK_DB, embedded_worker
@@ -686,3 +694,36 @@ def test_a_coalesced_call_whose_publish_and_sweep_copy_both_failed_raises_and_is
         later = recompute.delay(1)  # published, not joined to a call that never runs
         assert later.get(timeout=20) == 1
     assert record.lrange("runs", 0, -1) == ["1"]
+
+
+def test_a_coalesced_run_that_gave_up_parking_lets_the_next_call_publish(
+    app_factory: Any, record: redis.Redis, lock_client: redis.Redis
+) -> None:
+    """Its queued key goes with it: later calls publish, instead of joining a run that ended."""
+    app = app_factory(redislock_ttl=2)
+
+    @app.task(
+        base=SingletonTask,
+        shared=False,
+        lock_args=("account",),
+        lock_enqueue="until_start",
+        lock_on_contention=HandOff(max_wait=1, jitter=0),
+    )
+    def recompute(account: int, label: str) -> str:
+        record.rpush("runs", label)
+        if label == "running":
+            wait_until(lambda: record.get("go"), timeout=30)
+        return label
+
+    with embedded_worker(app, "threads", 2):
+        running = recompute.delay(1, "running")
+        wait_until(lambda: record.llen("runs") == 1, timeout=20)
+        gave_up = recompute.delay(1, "gave up")
+        with pytest.raises(LockContended):  # its copy came back past max_wait: HandOff's Raise
+            gave_up.get(timeout=30)
+        later = recompute.delay(1, "later")
+        assert later.id != gave_up.id  # published, not joined to the run that ended
+        record.set("go", 1)
+        assert running.get(timeout=20) == "running"
+        assert later.get(timeout=20) == "later"
+    assert record.lrange("runs", 0, -1) == ["running", "later"]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tempfile
 import types
 import uuid
 from typing import Any
@@ -75,12 +76,27 @@ def rabbitmqctl(*args: str) -> str:
             f"REDISLOCK_TEST_BROKER={BROKER}: rabbitmqctl is not on PATH "
             "(the broker tests create a vhost per test with it)"
         )
-    done = subprocess.run(
-        [binary, "-q", *args], capture_output=True, text=True, timeout=60, check=False
-    )
+    # An embedded prefork pool may fork a new child while this call starts
+    # it; the fork copies every pipe open at that moment into a process that
+    # lives as long as the worker, and a read from such a pipe never ends (a
+    # CI run hung 120 s in Popen's read of its exec-error pipe). So: no pipes.
+    # Output goes to files, and close_fds=False lets Popen use posix_spawn,
+    # which has no exec-error pipe (descriptors still close on exec).
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        done = subprocess.run(
+            [binary, "-q", *args],
+            stdout=out,
+            stderr=err,
+            close_fds=False,
+            timeout=60,
+            check=False,
+        )
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
     if done.returncode:
-        raise RuntimeError(f"rabbitmqctl {' '.join(args)} failed: {done.stderr or done.stdout}")
-    return done.stdout
+        raise RuntimeError(f"rabbitmqctl {' '.join(args)} failed: {stderr or stdout}")
+    return stdout
 
 
 #: Fresh vhosts made per ``rabbitmqctl`` call: each test still gets its own,

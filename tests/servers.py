@@ -97,7 +97,13 @@ class RedisServer:
         ]
         if _supports_debug_flag(self.binary):
             args += ["--enable-debug-command", "local"]
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # close_fds=False: Popen uses posix_spawn, which has no exec-error
+        # pipe; a restart during an embedded prefork worker's fork would
+        # otherwise wait on a pipe copied into the new pool process (see
+        # tests/brokers.py's rabbitmqctl). Python's descriptors close on exec.
+        self.process = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=False
+        )
         client = self.client(socket_timeout=0.5)
 
         def ready() -> bool:
@@ -171,6 +177,7 @@ class SentinelServer:
             [redis_server_binary(), config, "--sentinel"],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            close_fds=False,  # posix_spawn: see RedisServer.start
         )
         client = self.client()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -24,7 +25,8 @@ def cluster(redis_server_factory: Any) -> Iterator[Cluster]:
     # server is this test's own) rather than wait out a warm shutdown.
     for worker in c.workers:
         for pid in worker.children():
-            os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # exited since it was listed
+                os.kill(pid, signal.SIGKILL)
         worker.signal(signal.SIGKILL)
     c.close()
 

@@ -20,6 +20,7 @@ import redis
 from billiard.pool import TERMINATE
 from celery import Celery
 
+from tests.brokers import RABBITMQ, rabbitmqctl
 from tests.conftest import embedded_worker
 from tests.servers import wait_until
 
@@ -52,3 +53,37 @@ def test_a_prefork_worker_stuck_on_a_half_written_result_is_stopped(
         threading.Thread(target=half_write_a_result, daemon=True).start()
     # Celery's own join gave up after 20 s (RuntimeError); the fixture freed it.
     assert worker.thread is not None and not worker.thread.is_alive()
+
+
+@pytest.mark.skipif(not RABBITMQ, reason="rabbitmqctl runs only for the RabbitMQ brokers")
+def test_rabbitmqctl_returns_although_a_process_forked_during_the_call_lives_on() -> None:
+    """A prefork pool replaces a killed child while the test runs ``rabbitmqctl``.
+
+    The fork copies the call's output pipe into the new pool process, which
+    lives as long as the worker; the call must end when ``rabbitmqctl`` does
+    (CI: a redelivery test hung 120 s on a pipe that never saw end-of-file).
+    """
+    forked: list[int] = []
+    stop = threading.Event()
+
+    def fork_while_the_call_runs() -> None:
+        while not stop.is_set():
+            pid = os.fork()
+            if pid == 0:  # the "pool process": holds every inherited descriptor
+                time.sleep(60)
+                os._exit(0)
+            forked.append(pid)
+            time.sleep(0.002)
+
+    forker = threading.Thread(target=fork_while_the_call_runs, daemon=True)
+    forker.start()
+    started = time.monotonic()
+    try:
+        assert rabbitmqctl("list_vhosts", "--no-table-headers").strip()
+    finally:
+        stop.set()
+        forker.join()
+        for pid in forked:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    assert time.monotonic() - started < 30

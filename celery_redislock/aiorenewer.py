@@ -15,6 +15,7 @@ import weakref
 
 from celery_redislock._clock import clock
 from celery_redislock.aiostore import AsyncLockStore
+from celery_redislock.aiotransport import async_timeout
 from celery_redislock.leasing import (
     Renewable,
     due_for_renewal,
@@ -83,8 +84,11 @@ class AsyncRenewer:
                 if not self._handles:
                     return
                 wake.clear()
+                # Not asyncio.wait_for: before Python 3.12 it drops a cancel
+                # that lands with the wake-up (see aiotransport._send_packed_command).
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(wake.wait(), max(sleep, 0.0))
+                    async with async_timeout(max(sleep, 0.0)):
+                        await wake.wait()
         finally:
             # Cancelled (the loop is shutting down) or nothing held: a later
             # registration starts a new task. No await in between, so none

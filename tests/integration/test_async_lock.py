@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import sys
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -700,3 +701,103 @@ def test_a_loop_closed_without_shutting_down_has_its_connections_closed_at_the_n
     # Only the last loop is still waiting for a next use to close its connections.
     assert [ref for ref in loops[:-1] if ref() is not None] == []
     assert len(os.listdir("/proc/self/fd")) - before <= 2
+
+
+def test_a_cancellation_landing_as_a_command_is_written_is_never_swallowed(
+    server: RedisServer,
+) -> None:
+    """A client with a socket timeout (as the docs advise): every cancel of a waiter cancels it.
+
+    redis-py writes under ``asyncio.wait_for`` when a socket timeout is set,
+    which before Python 3.12 returns instead of raising a cancellation that
+    lands as the write completes: the waiter went on waiting for the holder.
+    """
+
+    async def body(_: redis.asyncio.Redis) -> list[str]:
+        client = redis.asyncio.Redis(port=server.port, db=LOCK_DB, socket_timeout=2)
+        holder = AsyncRedisLock(client, "a:swallowed", ttl=30)
+        assert await holder.acquire()
+        outcomes = []
+        try:
+            for steps in [0, 1, 2, 3] * 5:
+                waiter = asyncio.ensure_future(AsyncRedisLock(client, "a:swallowed").acquire())
+                for _ in range(steps + 1):
+                    await asyncio.sleep(0)
+                waiter.cancel()
+                done, _ = await asyncio.wait({waiter}, timeout=1.0)
+                if not done:
+                    waiter.cancel()
+                    await asyncio.wait({waiter}, timeout=5.0)
+                outcomes.append(
+                    "cancelled" if done and waiter.cancelled() else f"not cancelled ({steps})"
+                )
+        finally:
+            await holder.release()
+            await AsyncLockStore.for_client(client).aclose()
+            await client.aclose()
+        return outcomes
+
+    assert run(server, body) == ["cancelled"] * 20
+
+
+def test_the_renewer_is_cancelled_even_as_it_is_woken(server: RedisServer) -> None:
+    """A cancel in the same loop step as a wake-up (a new lock, the loop shutting down).
+
+    ``asyncio.wait_for`` before Python 3.12 returned the wake-up and dropped
+    the cancel: the renewer lived on past ``asyncio.run``'s shutdown.
+    """
+
+    async def body(client: redis.asyncio.Redis) -> bool:
+        lock = AsyncRedisLock(client, "a:woken", ttl=30)
+        assert await lock.acquire()
+        renewer = async_renewer()
+        task, wake = renewer._task, renewer._wake
+        assert task is not None and wake is not None
+        # Asleep until its next tick (10 s): awaiting its wake-up.
+        await until(lambda: task._fut_waiter is not None, what="the renewer to sleep")
+        wake.set()
+        task.cancel()
+        await asyncio.wait({task}, timeout=2.0)
+        cancelled = task.cancelled()
+        await lock.release()
+        return cancelled
+
+    assert run(server, body)
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="asyncio.timeout is Python 3.11+")
+def test_a_timeout_expiring_anywhere_in_a_blocked_acquire_ends_it(server: RedisServer) -> None:
+    """``asyncio.timeout`` of 0 to 3 ms around a blocked acquire, three times over.
+
+    Among the places it lands is the subscription's connect, whose handshake
+    redis-py writes under ``asyncio.wait_for``: 4-6 of 90 waiters went on
+    waiting for the holder.
+    """
+
+    async def body(_: redis.asyncio.Redis) -> list[str]:
+        client = redis.asyncio.Redis(port=server.port, db=LOCK_DB, socket_timeout=2)
+        holder = AsyncRedisLock(client, "a:expiring", ttl=30)
+        assert await holder.acquire()
+        outcomes = []
+
+        async def bounded(seconds: float) -> bool:
+            async with asyncio.timeout(seconds):
+                return await AsyncRedisLock(client, "a:expiring").acquire()
+
+        try:
+            for microseconds in list(range(0, 3000, 100)) * 3:
+                waiter = asyncio.ensure_future(bounded(microseconds / 1e6))
+                done, _ = await asyncio.wait({waiter}, timeout=1.0)
+                if not done:
+                    waiter.cancel()
+                    await asyncio.wait({waiter}, timeout=5.0)
+                error = waiter.exception() if done and not waiter.cancelled() else None
+                timed_out = isinstance(error, TimeoutError)
+                outcomes.append("timed out" if timed_out else f"{microseconds} us: {error!r}")
+        finally:
+            await holder.release()
+            await AsyncLockStore.for_client(client).aclose()
+            await client.aclose()
+        return outcomes
+
+    assert run(server, body) == ["timed out"] * 90

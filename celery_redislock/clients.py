@@ -8,15 +8,26 @@ transport needs of it to open its own connections, without a reference to it.
 
 from __future__ import annotations
 
+import functools
+import inspect
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from difflib import get_close_matches
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
-from redis.cluster import RedisCluster
-from redis.connection import parse_url
+from redis.cluster import REDIS_ALLOWED_KEYS, RedisCluster
+from redis.connection import (
+    AbstractConnection,
+    Connection,
+    ConnectionPool,
+    SSLConnection,
+    UnixDomainSocketConnection,
+    parse_url,
+)
 from redis.retry import Retry
 from redis.sentinel import Sentinel
 
@@ -32,6 +43,7 @@ __all__ = [
     "ClientSource",
     "bounded_options",
     "build_client",
+    "check_options",
     "check_url",
     "client_source",
     "default_retry",
@@ -162,6 +174,8 @@ def check_url(url: str) -> None:
         return
     base = scheme.split("+")[0]
     parse_url(f"{base}://{rest}")  # type: ignore[no-untyped-call]
+    # redis-py hands a query option it does not parse to the connection as is.
+    check_options(dict.fromkeys(parse_qs(urlsplit(url).query)))
     if base == "unix":
         return  # the database is a query option (?db=2), which parse_url checked
     database = urlsplit(f"{base}://{rest}").path.strip("/")
@@ -169,6 +183,56 @@ def check_url(url: str) -> None:
         raise ValueError(f"the database must be a number (redis://host:port/2), got {database!r}")
     if database and int(database) != 0 and scheme.endswith("+cluster"):
         raise ValueError("Redis Cluster has only database 0")
+
+
+@functools.cache
+def _option_names() -> frozenset[str]:
+    """Every keyword redis-py takes for a lock-store client, whatever the URL's scheme."""
+    names = set(REDIS_ALLOWED_KEYS) | {"sentinel_kwargs"}
+    for function in (
+        redis.Redis.__init__,
+        redis.Redis.from_url,
+        Sentinel.__init__,
+        AbstractConnection.__init__,
+        Connection.__init__,
+        SSLConnection.__init__,
+        UnixDomainSocketConnection.__init__,
+        ConnectionPool.__init__,
+        RedisCluster.__init__,
+    ):
+        names.update(inspect.signature(function).parameters)
+    return frozenset(names - {"self", "cls", "url", "args", "kwargs", "sentinels"})
+
+
+#: Options whose value redis-py uses only once connected (a str failed every command).
+_SECONDS = ("socket_timeout", "socket_connect_timeout", "health_check_interval")
+
+
+def check_options(options: Mapping[str, Any]) -> None:
+    """Refuse what redis-py would refuse only when it first connects, or ignore.
+
+    An unknown name (a typo) was a ``TypeError`` at the first command (a
+    cluster client drops it silently); a timeout that is not a number failed
+    every command.
+
+    Raises:
+        ValueError: names the option and says what it must be.
+    """
+    known = _option_names()
+    for name, value in options.items():
+        if name not in known:
+            guess = get_close_matches(name, known, n=1)
+            raise ValueError(
+                f"{name} is not a redis-py connection option"
+                + (f"; did you mean {guess[0]}?" if guess else "")
+            )
+        if name in _SECONDS and value is not None:
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not number or not 0 <= value < math.inf:
+                raise ValueError(f"{name} must be a number of seconds >= 0 or None, got {value!r}")
+        whole = isinstance(value, int) and not isinstance(value, bool)
+        if name == "max_connections" and value is not None and not (whole and value >= 1):
+            raise ValueError(f"max_connections must be an int >= 1 or None, got {value!r}")
 
 
 def url_error_detail(url: str, error: Exception) -> str:
@@ -232,7 +296,8 @@ def client_source(client: redis.Redis | RedisCluster) -> Callable[[], ClientSour
 def describe_client(client: redis.Redis | RedisCluster) -> str:
     """The address of ``client``'s server, for messages (no credentials)."""
     if isinstance(client, RedisCluster):
-        return "Redis Cluster client"
+        node = client.get_default_node()  # type: ignore[no-untyped-call]
+        return f"cluster {node.host}:{node.port}" if node is not None else "a Redis Cluster"
     kwargs = client.connection_pool.connection_kwargs
     if "path" in kwargs:
         return f"unix://{kwargs['path']}"

@@ -14,6 +14,7 @@ from typing import Any
 from celery_redislock.exceptions import ConfigurationError
 from celery_redislock.setting_specs import SETTINGS, TASK_OPTIONS
 from celery_redislock.validators import (
+    check_debounce_combination,
     check_limit_combination,
     unknown_option_errors,
     validate_enqueue_mode,
@@ -161,11 +162,9 @@ def validate_task_options(cls: type, where: str, base: type | None = None) -> No
     if errors:
         listed = "".join(f"\n  - {error}" for error in errors)
         raise ConfigurationError(f"{len(errors)} options of {where} are wrong:{listed}")
-    if getattr(cls, "lock_debounce", None) and getattr(cls, "lock_enqueue", None):
-        raise ConfigurationError(
-            f"{where}: set lock_debounce or lock_enqueue, not both (a debounced call "
-            "already joins the burst's run)"
-        )
+    check_debounce_combination(
+        getattr(cls, "lock_debounce", None) or 0, bool(getattr(cls, "lock_enqueue", None)), where
+    )
     check_limit_combination(
         getattr(cls, "lock_limit", None) or 1,
         validate_enqueue_mode(getattr(cls, "lock_enqueue", None), where) == "until_done",

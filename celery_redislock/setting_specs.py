@@ -120,7 +120,8 @@ SETTINGS: tuple[SettingSpec, ...] = (
         None,
         {},
         "Extra `redis.Redis.from_url` options. Package defaults: 5 s socket and connect "
-        "timeouts, 2 quick client retries.",
+        "timeouts, 2 quick client retries. A name redis-py does not take (here or in the "
+        "URL's query) and a timeout that is not a number are refused when settings are read.",
         validate_redis_options,
     ),
     SettingSpec(

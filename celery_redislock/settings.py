@@ -40,6 +40,8 @@ from celery_redislock.setting_specs import (
 )
 from celery_redislock.store import LockStore
 from celery_redislock.validators import (
+    MAX_SECONDS,
+    check_debounce_combination,
     check_limit_combination,
     validate_backend_error_mode,
     validate_count,
@@ -251,9 +253,9 @@ class TaskSettings:
         max_wait = pick("lock_debounce_max_wait", app.debounce_max_wait)
         limit = int(pick("lock_limit", app.limit))
         hold = float(pick("lock_hold_after_success", app.hold_after_success))
-        check_limit_combination(
-            limit, enqueue == "until_done", hold, f"task {getattr(task, 'name', task)}"
-        )
+        where = f"task {getattr(task, 'name', task)}"
+        check_limit_combination(limit, enqueue == "until_done", hold, where)
+        check_debounce_combination(debounce, enqueue != "off", where)
         return cls(
             app=app,
             backend=app.backend,
@@ -270,7 +272,9 @@ class TaskSettings:
             enqueue_raise=bool(pick("lock_enqueue_raise", app.enqueue_raise)),
             debounce=debounce,
             # A burst that never ends still runs: by default after ten windows.
-            debounce_max_wait=float(max_wait) if max_wait is not None else 10 * debounce,
+            debounce_max_wait=(
+                float(max_wait) if max_wait is not None else min(10 * debounce, MAX_SECONDS)
+            ),
             hold_after_success=hold,
             on_lost=str(pick("lock_on_lost", app.on_lost)),
             min_replicas=int(pick("lock_min_replicas", app.min_replicas)),

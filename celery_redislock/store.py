@@ -34,7 +34,12 @@ from celery_redislock.protocol import (
     release_call,
     renew_call,
 )
-from celery_redislock.store_connections import StoreConnections, _Kind, _script_runner
+from celery_redislock.store_connections import (
+    StoreConnections,
+    _command_runner,
+    _Kind,
+    _script_runner,
+)
 from celery_redislock.store_parking import LockParking
 from celery_redislock.tokens import without_mark
 from celery_redislock.transport import Topology
@@ -191,6 +196,11 @@ class LockStore(LockParking):
             refusal = backend_error(exc, "load the scripts of", "*", self.describe())
             if refusal.refused:
                 raise LockStoreRefused(str(refusal)) from exc
+            if "db index is out of range" in str(exc).lower():  # SELECT, at connect
+                raise LockStoreRefused(
+                    f"Redis at {self.describe()} has no such database ({exc}; the server's "
+                    "`databases` setting says how many it has)"
+                ) from exc
             raise LockBackendError(
                 f"Redis at {self.describe()} refused to load the lock scripts: {exc}"
             ) from exc
@@ -201,6 +211,23 @@ class LockStore(LockParking):
         finally:
             if topology is not None:
                 topology.close()
+
+    def keep_record(self, key: str, value: str, ttl_ms: int) -> None:
+        """Keep ``value`` at ``key`` for ``ttl_ms`` (a record beside the locks: ``SET PX``)."""
+        with self._errors("keep a record at", key):
+            command = _command_runner("SET", key, value, "PX", max(int(ttl_ms), 1))
+            self._topology(_Kind.COMMANDS).run_for_key(key, command)
+
+    def read_record(self, key: str) -> str | None:
+        """The record at ``key`` (``None``: none): one ``GET``."""
+        with self._errors("read the record at", key):
+            reply = self._topology(_Kind.COMMANDS).run_for_key(key, _command_runner("GET", key))
+        return None if reply is None else decode_text(reply, self.encoding_for(key))
+
+    def delete_record(self, key: str) -> None:
+        """Delete the record at ``key``: one ``DEL``."""
+        with self._errors("delete the record at", key):
+            self._topology(_Kind.COMMANDS).run_for_key(key, _command_runner("DEL", key))
 
     def inspect(self, key: str) -> tuple[str | None, float | None]:
         """Return the raw value and remaining TTL (seconds) of ``key``."""

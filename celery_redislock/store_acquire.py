@@ -178,8 +178,13 @@ class LockAcquire(LockRelease):
 
         def make(endpoint: Endpoint) -> Callable[[Any], tuple[Any, int | None]]:
             encoding = endpoint.encoding
-            scripted = script.exchange((key,), args, encoding)
+            # Packed now only when it is what is sent first (every argument
+            # checked before anything is sent); after a SET NX GET, only when
+            # the key must be taken over (a free key never runs the script).
+            scripted = None if set_nx else script.exchange((key,), args, encoding)
             packed = pack_command(set_nx_get(key, value, ttl_ms), encoding) if set_nx else b""
+            if packed and adopt:
+                pack_command(tuple(adopt), encoding)  # a TypeError for a bad one, before sending
 
             def run(connection: Any) -> tuple[Any, int | None]:
                 reply = TAKE_OVER
@@ -190,7 +195,7 @@ class LockAcquire(LockRelease):
                     else:
                         reply = after_set_nx_get(found, own, encoding)
                 if reply is TAKE_OVER:
-                    reply = scripted(connection)
+                    reply = (scripted or script.exchange((key,), args, encoding))(connection)
                 if timeout_ms and int(reply[0]) == 1:
                     wait = pack_command(("WAIT", min_replicas, timeout_ms), encoding)
                     (acked,) = send_and_read(connection, wait, 1)

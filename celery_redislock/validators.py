@@ -15,7 +15,7 @@ from typing import Any
 
 from celery.utils.imports import symbol_by_name
 
-from celery_redislock.clients import URL_SCHEMES, check_url, url_error_detail
+from celery_redislock.clients import URL_SCHEMES, check_options, check_url, url_error_detail
 from celery_redislock.exceptions import ConfigurationError
 from celery_redislock.policies import ContentionPolicy, resolve_policy
 from celery_redislock.store import LockStore
@@ -25,6 +25,8 @@ __all__ = [
     "BACKEND_ERROR_MODES",
     "ENQUEUE_MODES",
     "LOST_MODES",
+    "MAX_SECONDS",
+    "check_debounce_combination",
     "check_limit_combination",
     "did_you_mean",
     "unknown_option_errors",
@@ -46,6 +48,14 @@ __all__ = [
 ]
 
 
+#: The longest duration a setting may give: about 317 years (1e10 s), so
+#: a "once per key, ever" window still fits. Redis refused the milliseconds
+#: of 1e17 s (every acquire failed), and a script's Lua number prints in
+#: exponent form from 1e14 on, which Redis would refuse as a TTL: 1e10 s is
+#: 1e13 ms, room for the sums and the tenfold default of debounce_max_wait.
+MAX_SECONDS = 10_000_000_000
+
+
 def validate_ttl(ttl: Any, where: str) -> float:
     """Return ``ttl`` as seconds, or raise :class:`ConfigurationError`."""
     if isinstance(ttl, bool) or not isinstance(ttl, (int, float)):
@@ -56,6 +66,10 @@ def validate_ttl(ttl: Any, where: str) -> float:
         )
     if ttl < 0.01:
         raise ConfigurationError(f"{where} must be at least 0.01 seconds, got {ttl!r}")
+    if ttl > MAX_SECONDS:
+        raise ConfigurationError(
+            f"{where} must be at most {MAX_SECONDS} seconds (about 317 years), got {ttl!r}"
+        )
     return float(ttl)
 
 
@@ -187,6 +201,21 @@ def check_limit_combination(limit: int, enqueue: bool, hold: float, where: str) 
         )
 
 
+def check_debounce_combination(debounce: float, enqueue: bool, where: str) -> None:
+    """Refuse ``lock_debounce`` with ``lock_enqueue``, however each was set.
+
+    Raises:
+        ConfigurationError: both on (a debounced call already joins the
+            burst's one run; the enqueue lock would never be taken).
+    """
+    if debounce and enqueue:
+        raise ConfigurationError(
+            f"{where}: set lock_debounce or lock_enqueue, not both (a debounced call "
+            "already joins the burst's run; under an app-wide redislock_enqueue, give the "
+            "debounced task lock_enqueue=False)"
+        )
+
+
 def validate_hold(value: Any, where: str) -> float:
     """Return ``value`` as seconds >= 0 (0 turns it off: no window, no kept counter), else raise."""
     if value == 0:  # False too: "no window"
@@ -239,6 +268,10 @@ def validate_redis_options(value: Any, where: str) -> dict[str, Any]:
     """Return a copy of ``value`` if it is a mapping (of redis-py options), else raise."""
     if not isinstance(value, Mapping):
         raise ConfigurationError(f"{where} must be a dict, got {value!r}")
+    try:
+        check_options(value)
+    except ValueError as exc:
+        raise ConfigurationError(f"{where}: {exc}") from None
     return dict(value)
 
 

@@ -191,9 +191,14 @@ def test_lock_scripts_on_other_client_shapes(
     assert lock_client.exists("clé".encode(encoding)) == 0
 
 
-def test_direct_path_rejects_values_redis_cannot_take(backend: LockStore) -> None:
+def test_direct_path_rejects_values_redis_cannot_take(
+    backend: LockStore, lock_client: redis.Redis
+) -> None:
     with pytest.raises(TypeError, match="cannot send float"):
         backend.acquire("k", "v1", 1.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="cannot send NoneType"):
+        backend.acquire("k", "v1", 1000, adopt=(None,))  # type: ignore[arg-type]
+    assert lock_client.exists("k") == 0  # refused before anything was sent
 
 
 def test_a_fork_while_another_thread_builds_connections_does_not_deadlock_the_child(

@@ -145,14 +145,16 @@ def test_a_url_that_cannot_name_a_redis_server_stops_celery_worker(
 
 
 @pytest.mark.parametrize(
-    ("conf", "options"),
+    ("conf", "options", "named"),
     [
-        ({"redislock_limit": 2, "redislock_hold_after_success": 5}, {}),
-        ({"redislock_enqueue": True}, {"lock_limit": 2}),
+        ({"redislock_limit": 2, "redislock_hold_after_success": 5}, {}, "lock_limit"),
+        ({"redislock_enqueue": True}, {"lock_limit": 2}, "lock_limit"),
+        ({"redislock_enqueue": "until_start"}, {"lock_debounce": 2}, "lock_debounce"),
+        ({"redislock_debounce": 2, "redislock_enqueue": True}, {}, "lock_debounce"),
     ],
 )
 def test_a_combination_refused_only_once_merged_stops_celery_worker(
-    server: RedisServer, conf: dict[str, object], options: dict[str, object]
+    server: RedisServer, conf: dict[str, object], options: dict[str, object], named: str
 ) -> None:
     # Each setting is fine alone; the task's merged settings are refused.
     # They were checked only when a task ran: the worker started, and every
@@ -163,4 +165,22 @@ def test_a_combination_refused_only_once_merged_stops_celery_worker(
         REDISLOCK_TEST_TASK_OPTIONS=json.dumps(options),
     )
     line = _the_one_line(done)
-    assert "task tests.processes.startup_app.job" in line and "lock_limit" in line, line
+    assert "task tests.processes.startup_app.job" in line and named in line, line
+
+
+def test_a_misspelled_redis_option_stops_celery_worker_with_one_line(server: RedisServer) -> None:
+    # It exited 1 with redis-py's TypeError and a 23-frame traceback.
+    conf = {"redislock_redis_options": {"socket_timout": 2}}
+    line = _the_one_line(_start_and_fail(server, REDISLOCK_TEST_CONF=json.dumps(conf)))
+    assert line.endswith(
+        "redislock_redis_options: socket_timout is not a redis-py connection option; "
+        "did you mean socket_timeout?"
+    )
+
+
+def test_a_database_the_server_does_not_have_stops_celery_worker(server: RedisServer) -> None:
+    # The server answers "DB index is out of range": no wait mends that. The
+    # worker started with a warning, and every task retried, then failed.
+    lock_url = f"redis://127.0.0.1:{server.port}/99"
+    line = _the_one_line(_start_and_fail(server, REDISLOCK_TEST_LOCK_URL=lock_url))
+    assert "DB index is out of range" in line and "databases" in line, line

@@ -347,3 +347,120 @@ def test_lock_limit_with_enqueue_until_done_is_refused() -> None:
         def task(x: int) -> None: ...
 
         task.name  # noqa: B018
+
+
+@pytest.mark.parametrize(
+    ("conf", "options"),
+    [
+        ({"redislock_enqueue": True, "redislock_debounce": 2}, {}),
+        ({"redislock_debounce": 2}, {"lock_enqueue": True}),
+        ({"redislock_enqueue": "until_start"}, {"lock_debounce": 2}),
+    ],
+)
+def test_debounce_with_enqueue_is_refused_however_the_two_are_set(
+    conf: dict[str, Any], options: dict[str, Any]
+) -> None:
+    # Only both on the task class were refused; merged, debounce silently won.
+    app = new_app(redislock_url="redis://h:1/0", **conf)
+
+    @app.task(base=SingletonTask, shared=False, **options)
+    def task(x: int) -> None: ...
+
+    with pytest.raises(ConfigurationError, match="set lock_debounce or lock_enqueue, not both"):
+        task._lock_settings()
+
+
+def test_a_task_may_turn_off_the_apps_enqueue_to_debounce() -> None:
+    app = new_app(redislock_url="redis://h:1/0", redislock_enqueue=True)
+
+    @app.task(base=SingletonTask, shared=False, lock_debounce=2, lock_enqueue=False)
+    def task(x: int) -> None: ...
+
+    settings = task._lock_settings()
+    assert settings.debounce == 2 and not settings.enqueue
+
+
+@pytest.mark.parametrize(
+    ("conf", "expected"),
+    [
+        (
+            {"redislock_redis_options": {"socket_timout": 2}},
+            "redislock_redis_options: socket_timout is not a redis-py connection option; "
+            "did you mean socket_timeout?",
+        ),
+        (
+            {"redislock_redis_options": {"socket_timeout": "abc"}},
+            "redislock_redis_options: socket_timeout must be a number of seconds >= 0 or None, "
+            "got 'abc'",
+        ),
+        (
+            {"redislock_redis_options": {"max_connections": 0}},
+            "redislock_redis_options: max_connections must be an int >= 1 or None, got 0",
+        ),
+        (
+            {"redislock_url": "redis://h:1/2?socket_timout=2"},
+            "socket_timout is not a redis-py connection option; did you mean socket_timeout?",
+        ),
+    ],
+)
+def test_a_redis_option_redis_py_would_refuse_at_the_first_command_is_refused_now(
+    conf: dict[str, Any], expected: str
+) -> None:
+    # A worker started with these, and every command failed with a TypeError
+    # (or the worker exited with a 23-frame traceback) (review helper-29).
+    app = new_app(**{"redislock_url": "redis://h:1/0", **conf})
+    with pytest.raises(ConfigurationError) as info:
+        validate_app_settings(app.conf)
+    assert expected in str(info.value)
+
+
+def test_the_redis_options_users_set_are_accepted() -> None:
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    options = {
+        "socket_timeout": 2,
+        "socket_connect_timeout": 1.5,
+        "health_check_interval": 0,
+        "max_connections": 50,
+        "retry": Retry(NoBackoff(), 1),
+        "ssl_cert_reqs": "none",
+        "client_name": "payments",
+        "sentinel_kwargs": {"password": "x"},
+        "read_from_replicas": False,
+        # Sentinel's and Redis.from_url's own (review helper-30: refused, and
+        # a worker that started before stopped).
+        "force_master_ip": "10.0.0.1",
+        "min_other_sentinels": 0,
+        "single_connection_client": False,
+    }
+    app = new_app(
+        redislock_url="redis://h:1/0?socket_timeout=2&health_check_interval=10"
+        "&single_connection_client=false&protocol=3",
+        redislock_redis_options=options,
+    )
+    validate_app_settings(app.conf)
+
+
+@pytest.mark.parametrize(
+    "conf",
+    [
+        {"redislock_ttl": 1e17},
+        {"redislock_enqueue_ttl": 1e17},
+        {"redislock_hold_after_success": 1e12},
+        {"redislock_debounce": 1e11},
+    ],
+)
+def test_a_duration_redis_cannot_expire_is_refused(conf: dict[str, Any]) -> None:
+    # 1e17 s passed as positive and finite; Redis refused every SET PX
+    # ("value is not an integer or out of range"): every run retried, then
+    # failed, and lock_enqueue published without its lock (review helper-29).
+    app = new_app(redislock_url="redis://h:1/0", **conf)
+    with pytest.raises(ConfigurationError, match="at most 10000000000 seconds"):
+        validate_app_settings(app.conf)
+
+
+def test_a_century_long_idempotency_window_is_accepted() -> None:
+    # "Once per key, ever": a ten-year cap refused it (review helper-30).
+    app = new_app(redislock_url="redis://h:1/0", redislock_hold_after_success=100 * 365 * 86400)
+    validate_app_settings(app.conf)

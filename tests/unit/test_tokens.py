@@ -61,6 +61,8 @@ def test_exceptions_survive_pickle_with_their_fields() -> None:
     assert "holder-id" in str(error)
     lost = pickle.loads(pickle.dumps(LockLost("k", "gone")))
     assert isinstance(lost, LockNotOwned) and lost.detail == "gone"
+    # The threads pool's abort: Python raises the bare class (no key to name).
+    assert str(LockLost()) == "the lock was lost while held; execution aborted"
 
 
 def test_a_value_without_pid_round_trips_and_matches_its_prefix() -> None:

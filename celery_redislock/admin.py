@@ -27,7 +27,7 @@ from celery import Celery
 from celery_redislock.keys import split_slot
 from celery_redislock.settings import AppSettings, TaskSettings, app_settings
 from celery_redislock.store import ReleaseOutcome
-from celery_redislock.tokens import PARKED_HOST, QUEUED_HOST, LockValue
+from celery_redislock.tokens import KEPT_HOST, PARKED_HOST, QUEUED_HOST, LockValue
 
 __all__ = ["LIVE_GRACE", "LockInventory", "LockRecord"]
 
@@ -166,11 +166,11 @@ class LockInventory:
             return None if value is None else LockRecord.parse(key_or_task_id, value, ttl, fence)
         return next((r for r in self._records() if r.task_id == key_or_task_id), None)
 
-    def ttl_for(self, record: LockRecord) -> float:
-        """The lock TTL configured for the record's task (the app's for unknown tasks)."""
+    def ttl_for(self, record: LockRecord) -> float | None:
+        """The lock TTL configured for the record's task; ``None`` for a task the app lacks."""
         task = self.app.tasks.get(record.task_name or "") if record.task_name else None
         if task is None:
-            return self.settings.ttl
+            return None
         settings = TaskSettings.merge(task, self.settings)
         return settings.enqueue_ttl if record.state == QUEUED else settings.ttl
 
@@ -181,13 +181,16 @@ class LockInventory:
         remaining TTL shows it has gone longer than that (plus
         :data:`LIVE_GRACE`) without a reset has a holder that died or
         stalled. A lock taken or renewed within that interval cannot be told
-        apart from a live one and counts as live, and so does an
-        idempotency window (``lock_hold_after_success``) longer than the TTL.
-        Queued keys are renewed by nobody and are never live.
+        apart from a live one and counts as live, and so does an idempotency
+        window (``lock_hold_after_success``), and a lock of a task the app
+        does not know (its TTL is unknown: any remaining TTL may be a renewed
+        lock's). Queued keys are renewed by nobody and are never live.
         """
         if record.state != HELD or record.ttl_remaining is None:
             return False
         ttl = self.ttl_for(record)
+        if ttl is None or record.hostname == KEPT_HOST:
+            return True
         return ttl - record.ttl_remaining <= ttl / 3 + LIVE_GRACE
 
     def release(self, record: LockRecord, *, log: bool = True) -> ReleaseOutcome:

@@ -28,7 +28,21 @@ _COLUMNS = ("KEY", "TASK", "TASK ID", "STATE", "SLOT", "HOST", "PID", "AGE", "TT
 
 
 def _inventory(ctx: click.Context) -> LockInventory:
-    return LockInventory(ctx.obj.app)
+    app = ctx.obj.app
+    # The task modules a worker imports (``include``, ``imports``, Django's
+    # autodiscovery): without them a task's own TTL is unknown, and so is
+    # whether its lock is still renewed. One that fails to import (a
+    # dependency missing on this host) must not keep an operator from the
+    # locks: its tasks' locks count as live.
+    try:
+        app.loader.import_default_modules()
+    except Exception as exc:
+        click.echo(
+            f"warning: the app's task modules did not all import ({type(exc).__name__}: "
+            f"{exc}); locks of tasks not registered count as live",
+            err=True,
+        )
+    return LockInventory(app)
 
 
 def _clear_errors(command: F) -> F:

@@ -51,6 +51,10 @@ WAIT_BUCKETS = (0.001, 0.005, 0.025, 0.1, 0.5, 1, 5, 30, 120, float("inf"))
 
 
 def _task(fields: dict[str, Any]) -> str:
+    # A standalone lock's signals carry its name as task_name and no task id:
+    # one label value per lock name would grow without bound.
+    if fields.get("task_id") is None:
+        return ""
     return str(fields.get("task_name") or "")
 
 

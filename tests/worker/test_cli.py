@@ -19,6 +19,7 @@ from click.testing import CliRunner, Result
 from celery_redislock import SingletonTask
 from celery_redislock.admin import LockInventory
 from celery_redislock.cli import redislock
+from celery_redislock.tokens import LockOwner, LockValue
 from tests.brokers import worker_env
 from tests.conftest import embedded_worker
 from tests.helpers import hold_lock
@@ -102,6 +103,62 @@ def test_purge_releases_unrenewed_locks_and_keeps_live_ones(
     everything = invoke(app, "purge", "--task", "proj.sync", "--force", "--include-live")
     assert everything.exit_code == 0 and "released 1 lock(s)" in everything.output
     assert lock_client.exists(fresh) == 0 and lock_client.exists(other_task) == 1
+
+
+def _held_by_a_worker(client: redis.Redis, task_name: str, task_id: str, px: int) -> str:
+    """A lock of ``task_name`` held by another worker, with ``px`` ms left; its key."""
+    key = f"redislock:{task_name}:{{1}}"
+    value = LockValue.new(LockOwner(task_id, 0, "celery@elsewhere", 1), task_name)
+    client.set(key, value.encode(), px=px)
+    return key
+
+
+#: The app ``cli_included.py`` registers its task on (the last one).
+INCLUDING: list[Celery] = []
+
+
+def test_purge_knows_the_ttl_of_a_task_only_the_worker_imports(
+    app_factory: Any, lock_client: redis.Redis
+) -> None:
+    """lock_ttl=3 under an app TTL of 30, in a module listed in ``include``.
+
+    The CLI used to judge it by the app's 30 s: a lock renewed a second ago
+    looked dead (review helper-29). This one has not been renewed for 2.5 s
+    of its 3: dead by its own TTL, so purge takes it.
+    """
+    sys.modules.pop("tests.worker.cli_included", None)
+    app = app_factory(include=["tests.worker.cli_included"], redislock_ttl=30)
+    INCLUDING.append(app)
+    key = _held_by_a_worker(lock_client, "proj.included", "stale", px=500)
+    result = invoke(app, "purge", "--task", "proj.included", "--force")
+    assert result.exit_code == 0, result.output
+    assert "released 1 lock(s) of proj.included" in result.output
+    assert lock_client.exists(key) == 0
+
+
+def test_purge_keeps_a_lock_of_a_task_the_app_does_not_know(
+    app: Celery, lock_client: redis.Redis
+) -> None:
+    # Its TTL is unknown: any remaining TTL may be a renewed lock's.
+    key = _held_by_a_worker(lock_client, "proj.elsewhere", "running", px=2000)
+    result = invoke(app, "purge", "--task", "proj.elsewhere", "--force")
+    assert result.exit_code == 0, result.output
+    assert "1 live lock(s) kept" in result.output
+    assert lock_client.exists(key) == 1
+    assert json.loads(invoke(app, "show", key, "--json").output)["live"] is True
+
+
+def test_purge_keeps_an_idempotency_window_shorter_than_the_ttl(
+    app: Celery, lock_client: redis.Redis, sync: Any
+) -> None:
+    # lock_hold_after_success=5 under lock_ttl=30: the kept key's TTL of 5 s
+    # looked like 25 s without a renewal (review helper-29).
+    key = sync.lock_key_for((1,), {})
+    lock_client.set(key, LockValue.kept("done-1", 0, "proj.sync").encode(), px=5000)
+    result = invoke(app, "purge", "--task", "proj.sync", "--force")
+    assert result.exit_code == 0, result.output
+    assert lock_client.exists(key) == 1
+    assert json.loads(invoke(app, "show", key, "--json").output)["live"] is True
 
 
 def test_show_by_key_and_by_task_id(app: Celery, lock_client: redis.Redis, sync: Any) -> None:
@@ -266,3 +323,16 @@ def test_ls_lists_standalone_reentrant_and_async_locks_held_under_the_prefix(
     assert set(listed) == {f"{prefix}:cron:nested", f"{prefix}:web:report"}
     assert all(item["pid"] == os.getpid() and item["fence"] > 0 for item in listed.values())
     assert lock_client.exists(f"{prefix}:cron:nested") == 0
+
+
+def test_a_task_module_that_fails_to_import_does_not_stop_the_cli(
+    app_factory: Any, lock_client: redis.Redis
+) -> None:
+    # A dependency missing on the operator's host: ls failed with the
+    # ModuleNotFoundError, in the incident the CLI is for (review helper-30).
+    app = app_factory(include=["tests.worker.no_such_module_here"])
+    key = _held_by_a_worker(lock_client, "proj.elsewhere", "stuck", px=30000)
+    result = invoke(app, "ls", "--json")
+    assert result.exit_code == 0, result.output
+    assert [item["key"] for item in json.loads(result.stdout)] == [key]
+    assert "did not all import (ModuleNotFoundError" in result.stderr

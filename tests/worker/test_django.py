@@ -8,6 +8,7 @@ import pytest
 import redis
 from celery import Celery
 
+from celery_redislock import AlreadyQueued
 from tests.brokers import queue_length
 from tests.conftest import embedded_worker
 from tests.helpers import held_locks
@@ -61,6 +62,40 @@ def test_delay_on_commit_publishes_once_after_commit(
     with embedded_worker(app, "threads", 2):
         key = process_payment.lock_key_for(("p1",), {})
         wait_until(lambda: record.get("runs") == "1" and not lock_client.exists(key), timeout=20)
+
+
+@pytest.mark.parametrize("method", ["delay_on_commit", "apply_async_on_commit"])
+def test_a_duplicate_after_commit_does_not_raise_or_stop_the_other_callbacks(
+    django_db: Any, app: Celery, server: RedisServer, method: str
+) -> None:
+    """lock_enqueue_raise=True: the transaction has committed when the duplicate is found.
+
+    Raised from Django's on_commit, AlreadyQueued came out of the ``with``
+    block of a committed transaction and stopped the callbacks after it:
+    the unrelated task below was never published (review helper-29).
+    """
+    from django.db import transaction
+
+    from celery_redislock.contrib.django import DjangoSingletonTask
+
+    @app.task(base=DjangoSingletonTask, shared=False, lock_enqueue=True, lock_enqueue_raise=True)
+    def pay(payment_id: str) -> str:
+        return payment_id
+
+    @app.task(base=DjangoSingletonTask, shared=False, lock_enabled=False)
+    def notify(payment_id: str) -> str:
+        return payment_id
+
+    with transaction.atomic():
+        for _ in range(2):
+            if method == "delay_on_commit":
+                pay.delay_on_commit("p8")
+            else:
+                pay.apply_async_on_commit(("p8",))
+        notify.delay_on_commit("p8")
+    wait_until(lambda: queue_length(app) == 2, timeout=10)  # one pay, one notify
+    with pytest.raises(AlreadyQueued):
+        pay.delay("p8")  # outside on_commit the setting still raises
 
 
 def test_rollback_publishes_nothing_and_leaves_no_lock(

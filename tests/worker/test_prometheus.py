@@ -90,3 +90,17 @@ def test_disconnect_stops_counting_and_two_registries_are_independent(
         once.delay().get(timeout=20)
     assert value(registry, "celery_redislock_acquired_total", task="m.once") == 2
     assert value(other, "second_acquired_total", task="m.once") == 1
+
+
+def test_a_standalone_locks_samples_carry_an_empty_task_label(
+    registry: CollectorRegistry, lock_client: redis.Redis
+) -> None:
+    """As documented: a lock name per label value would grow without bound (``orders:<id>``)."""
+    from celery_redislock import RedisLock
+
+    for order in range(3):
+        with RedisLock(lock_client, f"orders:{order}", ttl=5):
+            pass
+    assert value(registry, "celery_redislock_acquired_total", task="") == 3
+    assert value(registry, "celery_redislock_released_total", task="", outcome="released") == 3
+    assert "orders:" not in generate_latest(registry).decode()

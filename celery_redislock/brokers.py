@@ -38,6 +38,7 @@ from celery.utils.quorum_queues import detect_quorum_queues
 
 __all__ = [
     "BROKER_HEADERS",
+    "delays_wait_in_the_broker",
     "publisher_headers",
     "routable_countdown",
     "whole_second_delays",
@@ -90,8 +91,7 @@ def whole_second_delays(
     cannot be had (a router raising, say), True: rounding up is never early.
     """
     try:
-        driver_type = app.producer_pool.connections.connection.transport.driver_type
-        if not detect_quorum_queues(app, driver_type)[0]:
+        if not delays_wait_in_the_broker(app):
             return False
         routed = app.amqp.router.route(dict(options), task.name, args, kwargs, task)
     except Exception:
@@ -99,6 +99,16 @@ def whole_second_delays(
     queue = routed.get("queue")
     exchange_type = queue.exchange.type if queue is not None else routed.get("exchange_type")
     return bool(exchange_type != "direct")
+
+
+def delays_wait_in_the_broker(app: Any) -> bool:
+    """True if ``app``'s countdown messages may wait in the broker, not in a worker.
+
+    Quorum queues on an AMQP transport: Celery's native delayed delivery
+    keeps them in RabbitMQ's delay queues until due.
+    """
+    driver_type = app.producer_pool.connections.connection.transport.driver_type
+    return bool(detect_quorum_queues(app, driver_type)[0])
 
 
 def whole_seconds(countdown: float) -> float:

@@ -50,6 +50,7 @@ __all__ = [
     "plain_parameter_names",
     "queued_key",
     "release_channel",
+    "revocable_key",
     "slot_key",
     "slot_keys",
     "split_slot",
@@ -339,6 +340,7 @@ NOT_LOCK_SUFFIXES = (
     "index",
     "outbox",
     "parking",
+    "revocable",
     *HANDOFF_SUFFIXES,
 )
 
@@ -363,26 +365,31 @@ def handoff_keys(key: str) -> tuple[str, str, str]:
 def pending_keys(prefix: str, app: str) -> tuple[str, str]:
     """Return the keys of an app's pending calls: the index and the outbox, one slot.
 
-    * ``<prefix>:{pending:<app>}:index``: a sorted set, member -> when
-      (server ms) a worker's sweep should look at it (see ``pending.py``);
-    * ``<prefix>:{pending:<app>}:outbox``: a hash, id -> a message to publish.
-
-    One pair per app (``app``: its main name): a sweep publishes through its
-    own app's broker, so it must never find another app's calls, even of an
-    app that shares the lock store and the prefix. Both start with the prefix
-    (an ACL's ``~<prefix>:*`` covers them) and share a hash tag (one script
-    may touch both on a cluster). No lock key ends with ``:index`` or
-    ``:outbox`` (a task key ends with its tag).
+    ``<prefix>:{pending:<app>}:index``, a sorted set: member -> when (server
+    ms) a sweep should look at it (``pending.py``); ``...:outbox``, a hash:
+    id -> a message to publish. One pair per app (its main name): a sweep
+    publishes through its own app's broker. Under the prefix (an ACL's
+    ``~<prefix>:*``), one hash tag (one script may touch both on a cluster);
+    no lock key ends with ``:index`` or ``:outbox`` (a task key ends with its tag).
     """
+    stem = _pending_stem(prefix, app)
+    return f"{stem}index", f"{stem}outbox"
+
+
+def revocable_key(prefix: str, app: str, task_id: str) -> str:
+    """The record of call ``task_id`` whose countdown waits in the broker (see ``revoked.py``)."""
+    return f"{_pending_stem(prefix, app)}{task_id}:revocable"
+
+
+def _pending_stem(prefix: str, app: str) -> str:
     name = app.replace("{", "(").replace("}", ")")
-    return f"{prefix}:{{pending:{name}}}:index", f"{prefix}:{{pending:{name}}}:outbox"
+    return f"{prefix}:{{pending:{name}}}:"
 
 
 def next_run_key(key: str) -> str:
     """Return the record of ``key``'s queued run (``lock_enqueue="until_start"``).
 
-    A hash: the run's queued token, hand-off value, message, and when a
-    worker's sweep should publish it again if it has not started.
+    A hash: its queued token, hand-off value, message, next copy's due time.
     """
     return _companion(key, "next")
 
@@ -398,11 +405,7 @@ def queued_key(key: str) -> str:
 
 
 def release_channel(key: str) -> str:
-    """Return the pub/sub channel a release of ``key`` is announced on.
-
-    A slot key announces on its base key's channel: a waiter for the key
-    wakes when any of its slots frees.
-    """
+    """The pub/sub channel of ``key``'s releases (a slot's: its base key's, for any waiter)."""
     return f"{split_slot(key)[0]}:released"
 
 

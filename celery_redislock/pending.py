@@ -29,6 +29,7 @@ No Celery here: the scripts, their arguments and their replies.
 from __future__ import annotations
 
 import enum
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +44,7 @@ from celery_redislock.keys import (
     next_run_key,
     pending_keys,
     queued_key,
+    revocable_key,
     slot_keys,
 )
 from celery_redislock.pending_scripts import (
@@ -68,6 +70,7 @@ __all__ = [
     "PendingIndex",
     "Reaped",
     "Reaping",
+    "RevocableCall",
 ]
 
 
@@ -144,6 +147,37 @@ def _reaped(reply: Any) -> Reaped:
     return Reaped(outcome)
 
 
+@dataclass(frozen=True)
+class RevocableCall:
+    """What a revoke of a call whose countdown waits in the broker must give back.
+
+    Written at ``delay()`` where no worker holds such a message (RabbitMQ's
+    native delayed delivery), read by the worker that gets the revoke.
+    ``token``: the call's queued value (``lock_enqueue``); ``debounced``: its
+    burst ends.
+    """
+
+    task_name: str
+    key: str
+    token: str | None
+    debounced: bool
+
+    def encode(self) -> str:
+        """The record's text."""
+        return json.dumps([self.task_name, self.key, self.token, self.debounced])
+
+    @classmethod
+    def decode(cls, text: str) -> RevocableCall | None:
+        """The record in ``text``; ``None`` for text this package did not write."""
+        try:
+            name, key, token, debounced = json.loads(text)
+        except (ValueError, TypeError):
+            return None
+        if not (isinstance(name, str) and isinstance(key, str)):
+            return None
+        return cls(name, key, token if isinstance(token, str) else None, debounced is True)
+
+
 def _as_bytes(value: Any) -> bytes:
     return value.encode("utf-8") if isinstance(value, str) else bytes(value)
 
@@ -159,7 +193,21 @@ class PendingIndex:
 
     def __init__(self, store: LockStore, prefix: str, app: str) -> None:
         self.store = store
+        self.prefix, self.app = prefix, app
         self.index, self.outbox = pending_keys(prefix, app)
+
+    def keep_revocable(self, task_id: str, call: RevocableCall, ttl_ms: int) -> None:
+        """Keep what a revoke of ``task_id`` gives back, for ``ttl_ms`` (one ``SET``)."""
+        self.store.keep_record(revocable_key(self.prefix, self.app, task_id), call.encode(), ttl_ms)
+
+    def read_revocable(self, task_id: str) -> RevocableCall | None:
+        """The record :meth:`keep_revocable` kept (``None``: none, or not the package's)."""
+        text = self.store.read_record(revocable_key(self.prefix, self.app, task_id))
+        return None if text is None else RevocableCall.decode(text)
+
+    def forget_revocable(self, task_id: str) -> None:
+        """Delete the record of ``task_id`` (its keys were given back)."""
+        self.store.delete_record(revocable_key(self.prefix, self.app, task_id))
 
     def touch_call(self, member: str, delay_ms: int) -> ScriptCall:
         """The script call that asks a sweep to look at ``member`` in ``delay_ms`` at the latest.

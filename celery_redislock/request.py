@@ -20,9 +20,11 @@ import time
 from typing import Any, NamedTuple
 
 from billiard.exceptions import Terminated, TimeLimitExceeded, WorkerLostError
+from celery.platforms import signals as _signals
 from celery.worker.request import Request
 
 from celery_redislock._clock import clock
+from celery_redislock.handoff import RECEIVED_CONTENT_TYPE
 from celery_redislock.headers import QUEUED_TOKEN_HEADER
 from celery_redislock.revoked import release_queued_lock, release_revoked_queued_lock
 from celery_redislock.settings import TaskSettings
@@ -62,6 +64,13 @@ class SingletonRequest(Request):
     means the lock is free.
     """
 
+    def __init__(self, message: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(message, *args, **kwargs)
+        # The serializer the call was sent with: a re-send (parked, lock
+        # retry) uses it too, not the task's (which may refuse the arguments).
+        # Read from the message: Celery keeps none for one it decoded (protocol 1).
+        self.request_dict[RECEIVED_CONTENT_TYPE] = getattr(message, "content_type", None)
+
     def on_timeout(self, soft: bool, timeout: float) -> None:
         """A hard time limit: end the child, then release its lock."""
         if not soft:
@@ -84,9 +93,31 @@ class SingletonRequest(Request):
     #: REVOKED is then announced when the child has exited (``Terminated``).
     _redislock_defer_revoked = False
 
+    #: A terminate's stopping signal (or gevent kill) was sent; its REVOKED
+    #: waits for the cleanup.
+    _redislock_terminating = False
+    #: Under gevent: a greenlet announces REVOKED once the killed one ended.
+    _redislock_announcer = False
+
     def terminate(self, pool: Any, signal: Any = None) -> None:
         """``revoke(terminate=True)``: REVOKED only once the child's lock is released."""
-        super().terminate(self._releasing(pool), signal)
+        signum = _signals.signum(signal or "TERM")
+        if self._redislock_terminating and signum != signals_module.SIGKILL:
+            # Revoked again while the first terminate's REVOKED waits for the
+            # cleanup (Celery would have forgotten the request by now): a
+            # second signal would cut that cleanup, or its release, short.
+            # Only SIGKILL goes on, the escalation a stuck cleanup needs.
+            return
+        gevent_pool = type(pool).__module__ == "celery.concurrency.gevent"
+        stopping = self.time_start and (gevent_pool or signum in _STOPPING_SIGNALS)
+        if self.time_start and gevent_pool:
+            pool = _ReleaseAfterKill(pool, self)
+        super().terminate(self._releasing(pool), signal)  # threads, solo: raises, sends nothing
+        # Not after a signal the body may survive (SIGUSR1): a stronger one
+        # may follow. Nor once REVOKED is stored (the request is done).
+        self._redislock_terminating = bool(stopping) and not getattr(
+            self, "_already_revoked", False
+        )
 
     def _announce_revoked(self, reason: Any, terminated: Any, signum: Any, expired: Any) -> None:
         # Celery announces REVOKED right after sending terminate's signal, and
@@ -193,6 +224,19 @@ class SingletonRequest(Request):
             )
         return released
 
+    def _announce_once_ended(self, greenlet: Any, signum: Any) -> None:
+        """Under gevent: store REVOKED once the killed greenlet has ended (its release done).
+
+        Also after one that survived the kill and ran on to its end, as
+        Celery does (which announces at the kill); its result backend keeps
+        a SUCCESS stored first.
+        """
+        try:
+            greenlet.join()
+        finally:
+            if not getattr(self, "_already_revoked", False):
+                super()._announce_revoked("terminated", True, signum, False)  # type: ignore[misc]
+
     def _release_child_lock(self, reason: str, requeued: bool = False) -> None:
         """Release the lock of this execution, whose process has ended.
 
@@ -278,6 +322,40 @@ class _ReleaseAfterExit:
         # (Terminated); a child that survived the signal ends its task
         # instead, releasing first, and its own outcome is stored.
         request._redislock_defer_revoked = not released
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pool, name)
+
+
+class _ReleaseAfterKill:
+    """The gevent pool: REVOKED is stored once the killed greenlet has ended.
+
+    gevent kills the greenlet and returns at once: its ``finally`` (the
+    body's own cleanup, then the lock's release) runs once this greenlet
+    yields, after Celery stored REVOKED. So the announcement is deferred to a
+    greenlet of its own that joins the killed one, however long its cleanup
+    takes (as prefork's waits for the child's exit; a bound would store
+    REVOKED with the key still held). Each revoked task waits on its own: a
+    revoke of many kills them all at once, and the consumer goes on.
+    Eventlet's pool waits for the greenlet itself.
+    """
+
+    def __init__(self, pool: Any, request: SingletonRequest) -> None:
+        self._pool = pool
+        self._request = request
+
+    def terminate_job(self, pid: Any, signal: Any = None) -> None:
+        import gevent  # type: ignore[import-untyped,unused-ignore]  # under the gevent pool only
+
+        # Celery's gevent pool keeps each task's greenlet by its id (the "pid").
+        greenlet = (getattr(self._pool, "_pool_map", None) or {}).get(pid)
+        self._pool.terminate_job(pid, signal)
+        if greenlet is not None and not greenlet.dead:
+            request = self._request
+            request._redislock_defer_revoked = True  # Celery's announcement, next
+            if not request._redislock_announcer:  # once, however often it is killed
+                request._redislock_announcer = True
+                gevent.spawn(request._announce_once_ended, greenlet, signal)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._pool, name)

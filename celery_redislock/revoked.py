@@ -10,7 +10,9 @@ a no-op (each is a compare-and-delete of this task's own value):
 * when the ``revoke`` (or ``terminate``) control command reaches the worker
   that holds the message, for a message it has not started
   (:func:`install_revoke_hook`, wrapping Celery's command: Celery has no
-  signal for a revoke received);
+  signal for a revoke received); where no worker holds it (RabbitMQ's
+  native delayed delivery keeps a countdown in the broker), from the record
+  ``delay()`` kept of what to give back (:class:`~.pending.RevocableCall`);
 * when Celery discards the message (``task_revoked``,
   :func:`release_revoked_queued_lock`).
 
@@ -29,7 +31,9 @@ from celery.utils.functional import maybe_list
 from celery.worker import state as worker_state
 from celery.worker.control import Panel
 
-from celery_redislock.handoff import marker_ttl_ms
+from celery_redislock.brokers import delays_wait_in_the_broker
+from celery_redislock.exceptions import LockBackendError
+from celery_redislock.handoff import app_pending, marker_ttl_ms
 from celery_redislock.headers import (
     DEBOUNCE_HEADER,
     HANDOFF_HEADER,
@@ -38,6 +42,8 @@ from celery_redislock.headers import (
     request_header,
 )
 from celery_redislock.keys import queued_key
+from celery_redislock.settings import app_settings
+from celery_redislock.startup import uses_redislock
 from celery_redislock.task import SingletonTaskMixin
 
 __all__ = ["install_revoke_hook", "release_queued_lock", "release_revoked_queued_lock"]
@@ -161,13 +167,54 @@ def _not_started(task_id: str) -> list[Any]:
     return found
 
 
-def _give_back_revoked(task_ids: Sequence[str]) -> None:
+def _give_back_revoked(app: Any, task_ids: Sequence[str]) -> None:
+    in_the_broker = []
     for task_id in task_ids:
-        for request in _not_started(task_id):
+        held = _not_started(task_id)
+        for request in held:
             if isinstance(request.task, SingletonTaskMixin):
                 # The message's own context: what task_revoked passes when
                 # Celery discards it later (args, kwargs, headers as received).
                 release_revoked_queued_lock(sender=request.task, request=request._context)
+        if not held:
+            in_the_broker.append(task_id)
+    if in_the_broker and app is not None and uses_redislock(app) and delays_wait_in_the_broker(app):
+        for task_id in in_the_broker:
+            try:
+                _give_back_recorded(app, task_id)
+            except LockBackendError as exc:
+                # This runs in the consumer: one bounded failure, not one per id.
+                logger.warning("could not free the keys of revoked %s: %s", in_the_broker, exc)
+                return
+
+
+def _give_back_recorded(app: Any, task_id: str) -> None:
+    """Give back the keys of a call whose countdown waits in the broker (quorum queues).
+
+    No worker holds its message, so the call's record (kept at ``delay()``,
+    see ``enqueue.py``) says what to free. Every worker gets the revoke:
+    one that does not know the task leaves the record to one that does, and
+    the record goes only once its keys are given back. Two workers may both
+    give back: each give-back is a compare-and-delete of the call's own
+    value, a no-op the second time, and so for a message already delivered
+    and running, which has replaced or freed those values.
+    """
+    settings = app_settings(app)
+    # The enqueue store: its connections give up within redislock_enqueue_timeout.
+    store = settings.enqueue_backend or settings.backend
+    index = app_pending(app, store, settings.key_prefix)
+    record = index.read_revocable(task_id)
+    task = None if record is None else app.tasks.get(record.task_name)
+    if record is None or not isinstance(task, SingletonTaskMixin):
+        return
+    task_settings = task.lock_settings()
+    if record.debounced:
+        (task_settings.enqueue_backend or store).debounce_due(record.key, task_id, forget=True)
+    if record.token is not None:
+        key = queued_key(record.key) if task_settings.coalesce else record.key
+        task_settings.backend.release(key, record.token)
+    index.forget_revocable(task_id)
+    logger.info("gave back the keys of revoked %s[%s] (held by the broker)", task.name, task_id)
 
 
 def _revoking(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -175,7 +222,9 @@ def _revoking(command: Callable[..., Any]) -> Callable[..., Any]:
     def revoke_then_give_back(state: Any, **arguments: Any) -> Any:
         reply = command(state, **arguments)
         try:
-            _give_back_revoked([str(i) for i in maybe_list(arguments.get("task_id")) or []])
+            app = getattr(getattr(state, "consumer", None), "app", None)
+            task_ids = [str(i) for i in maybe_list(arguments.get("task_id")) or []]
+            _give_back_revoked(app, task_ids)
         except Exception:
             logger.exception("could not free the keys of revoked tasks")
         return reply

@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from celery_redislock.keys import debounce_key, handoff_keys, next_run_key, queued_key
-from celery_redislock.pending import Member, PendingIndex, Reaping
+from celery_redislock.pending import Member, PendingIndex, Reaping, RevocableCall
 from celery_redislock.store import LockStore, ReleaseOutcome
 from tests.conftest import LOCK_DB
 from tests.helpers import held
@@ -279,6 +279,32 @@ def test_a_lock_store_user_with_the_documented_rules_runs_the_sweep(
         wait_until(lambda: index.reap_debounced(KEY, PARK_TTL).outcome is Reaping.PUBLISH)
         index.put_outbox("id-1", b"message", 0, 60_000)
         assert index.take_outbox("id-1") == b"message"
+    finally:
+        store.close()
+
+
+def test_a_revoke_record_is_read_forgotten_expires_and_is_no_lock(
+    redis_server_factory: Any,
+) -> None:
+    """Kept and taken by a user with only the base rules; ``celery redislock ls`` skips it."""
+    server: RedisServer = redis_server_factory(
+        "--user", "locker", "on", ">pw", *LOCK_USER_RULES
+    )  # fmt: skip
+    store = LockStore(url=f"redis://locker:pw@127.0.0.1:{server.port}/0")
+    index = PendingIndex(store, "redislock", "proj")
+    call = RevocableCall("proj.job", KEY, "token", False)
+    try:
+        index.keep_revocable("id-1", call, 60_000)
+        index.keep_revocable("id-2", RevocableCall("proj.job", KEY, None, True), 50)
+        assert [key for batch in store.scan_keys("redislock:*") for key in batch] == []
+        assert index.read_revocable("id-1") == call
+        assert index.read_revocable("id-1") == call  # read, not taken: until given back
+        index.forget_revocable("id-1")
+        assert index.read_revocable("id-1") is None
+        wait_until(lambda: server.client().dbsize() == 0, timeout=5)  # id-2 expired
+        assert index.read_revocable("id-2") is None
+        server.client().set("redislock:{pending:proj}:id-3:revocable", "not what we wrote")
+        assert index.read_revocable("id-3") is None
     finally:
         store.close()
 

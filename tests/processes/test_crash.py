@@ -310,6 +310,42 @@ def test_terminate_with_sigterm_stores_revoked_only_once_the_slow_cleanup_releas
     assert held == 0 and done == ["cleanup-done"]
 
 
+def revoke_twice_during_the_slow_cleanup(cluster: Cluster, worker: Any, signalled: str) -> None:
+    """Revoke ``slow_cleanup`` twice, the second once ``signalled`` is logged: one REVOKED.
+
+    Stored only once the cleanup finished and the key is free.
+    """
+    first = cluster.send("slow_cleanup", "twice")
+    key = cluster.started(first.id)["key"]
+    cluster.producer.control.revoke(first.id, terminate=True, signal="SIGTERM")
+    wait_until(lambda: signalled in worker.log(), timeout=15)
+    cluster.producer.control.revoke(first.id, terminate=True, signal="SIGTERM")
+    wait_until(lambda: first.state == "REVOKED", timeout=15, interval=0.005)
+    held = cluster.locks.exists(key)
+    done = cluster.record.lrange("events:twice", 0, -1)
+    assert held == 0 and done == ["cleanup-done"], (held, done, worker.log()[-3000:])
+    assert cluster.send("hold", "after", 0).get(timeout=15)  # a second one would be in by then
+    assert cluster.record.get(f"revoked:{first.id}") == "1"
+
+
+def test_a_second_sigterm_revoke_does_not_cut_the_slow_cleanup_short(cluster: Cluster) -> None:
+    """Revoked again while REVOKED waits for the child's exit: the child gets one signal."""
+    revoke_twice_during_the_slow_cleanup(cluster, cluster.worker(ttl=30), "still holds its lock")
+
+
+def test_a_sigkill_revoke_after_a_sigterm_one_ends_a_stuck_cleanup(cluster: Cluster) -> None:
+    """The escalation passes: the child is killed, and the parent releases its lock."""
+    worker = cluster.worker(ttl=30)
+    first = cluster.send("stuck_cleanup", "stuck")
+    key = cluster.started(first.id)["key"]
+    cluster.producer.control.revoke(first.id, terminate=True, signal="SIGTERM")
+    wait_until(lambda: "still holds its lock" in worker.log(), timeout=15)
+    cluster.producer.control.revoke(first.id, terminate=True, signal="SIGKILL")
+    wait_until(lambda: first.state == "REVOKED", timeout=15, interval=0.005)
+    assert cluster.locks.exists(key) == 0
+    assert cluster.record.lrange("events:stuck", 0, -1) == []
+
+
 def _parked_count(cluster: Cluster, key: str) -> int:
     return int(cluster.locks.llen(handoff_keys(key)[0]))
 

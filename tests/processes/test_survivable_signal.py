@@ -67,3 +67,15 @@ def test_soft_cancels_of_surviving_tasks_never_stall_the_workers_main_process(
     print(f"\n[measured] ping after 4 SIGUSR1 revokes answered in {answered:.2f}s")
     assert replies and answered < 2.0
     assert [r.get(timeout=20) for r in results] == [f"usr1-{n}" for n in range(4)]
+
+
+def test_a_sigterm_revoke_ends_a_task_that_survived_a_sigusr1_revoke(workers: Cluster) -> None:
+    """The first revoke's signal did not stop it: the second one is sent, not ignored."""
+    workers.worker(ttl=30)
+    result = workers.send("survives_soft_limit", "usr1-then-term")
+    key = workers.started(result.id)["key"]
+    workers.producer.control.revoke(result.id, terminate=True, signal="SIGUSR1")
+    wait_until(lambda: workers.record.lrange("events:usr1-then-term", 0, -1) == ["soft"])
+    workers.producer.control.revoke(result.id, terminate=True, signal="SIGTERM")
+    wait_until(lambda: result.state in states.READY_STATES, timeout=20, interval=0.005)
+    assert result.state == states.REVOKED and workers.locks.exists(key) == 0

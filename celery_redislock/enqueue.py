@@ -20,7 +20,7 @@ from celery.utils import uuid
 
 from celery_redislock.brokers import whole_second_delays, whole_seconds
 from celery_redislock.exceptions import AlreadyQueued, LockBackendError
-from celery_redislock.handoff import app_pending, pack_signature
+from celery_redislock.handoff import app_pending, keep_revocable, pack_signature
 from celery_redislock.headers import (
     DEBOUNCE_HEADER,
     HANDOFF_HEADER,
@@ -30,8 +30,8 @@ from celery_redislock.headers import (
     seconds_until,
 )
 from celery_redislock.keys import queued_key
-from celery_redislock.pending import Member
-from celery_redislock.resend import signal_contention
+from celery_redislock.pending import Member, RevocableCall
+from celery_redislock.resend import moved_expiry, signal_contention
 from celery_redislock.store import AcquireResult, LockStore
 from celery_redislock.takeback import take_back_value
 from celery_redislock.tokens import LockValue
@@ -48,6 +48,25 @@ logger = logging.getLogger("celery_redislock.task")
 # Canvas members and tasks carrying callbacks are always published: dropping
 # one would break a chord's counter or lose the rest of a workflow.
 _BYPASS_OPTIONS = ("chord", "group_id", "chain", "link", "link_error")
+
+
+def _workflow_member(options: dict[str, Any]) -> bool:
+    """``options`` are a workflow member's, or carry a callback.
+
+    Celery's own sends count too, whose caller waits on the id Celery gave
+    (joined to another run, it would stay PENDING for ever): a chain's last
+    member (the tracer passes ``chain=[]``, present though empty), a callback
+    or the next link (the tracer passes ``parent_id``; a ``delay()`` in a
+    task body does not, Celery adds it later), and a ``Task.replace()``
+    (``replaced_task_nesting``).
+    """
+    return (
+        options.get("chain") is not None
+        or options.get("parent_id") is not None
+        or bool(options.get("replaced_task_nesting"))
+        or any(options.get(name) for name in _BYPASS_OPTIONS)
+    )
+
 
 Publish = Callable[..., Any]
 
@@ -88,7 +107,7 @@ def publish_once(
         not (settings.enabled and (settings.enqueue or settings.debounce))
         or task.app.conf.task_always_eager
         or options.get("retries") is not None
-        or any(options.get(name) for name in _BYPASS_OPTIONS)
+        or _workflow_member(options)
     ):
         return publish(None if args is None else tuple(args), kwargs, **options)
     args, kwargs = tuple(args or ()), dict(kwargs or {})
@@ -152,6 +171,11 @@ def publish_once(
         raise
     if not result.acquired:
         return _duplicate(task, settings, key, task_id, result)
+    if delay > 0 and whole_second_delays(task.app, task, options, args, kwargs):
+        call = RevocableCall(task.name, lock_key, token, False)
+        keep_revocable(
+            task.app, _producer_store(settings), settings.app.key_prefix, task_id, call, delay
+        )
     try:
         return publish(args, kwargs, task_id=task_id, headers=headers, **options)
     except BaseException as exc:
@@ -328,6 +352,11 @@ def _publish_debounced(
     window_ms = max(int(settings.debounce * 1000), 1)
     grace_ms = max(int(_grace(settings) * 1000), 1)
     delay_ms = int(seconds_until(options.get("eta") or options.get("countdown")) * 1000)
+    # The window is the package's delay: the run expires that much later,
+    # and a worker moves its expiry with its due time. The sweep's copy (for
+    # a run whose worker died) keeps none: the burst may have moved its due
+    # time since, and a late run beats none.
+    expires = options.pop("expires", task.expires)
     handoff, message = stored_message(
         task,
         args,
@@ -357,7 +386,7 @@ def _publish_debounced(
         # later calls to join a run that is over.
         logger.warning("publishing %s[%s] without its debounce: %s", task.name, task_id, exc)
         headers = {**(options.pop("headers", None) or {}), DEBOUNCE_HEADER: True}
-        return publish(args, kwargs, task_id=task_id, headers=headers, **options)
+        return publish(args, kwargs, task_id=task_id, headers=headers, expires=expires, **options)
     except BaseException:
         # Interrupted: the record may name a run never published.
         with contextlib.suppress(Exception):
@@ -371,9 +400,23 @@ def _publish_debounced(
     countdown = max(due, seconds_until(options.pop("eta", None) or options.pop("countdown", None)))
     if whole_second_delays(task.app, task, options, args, kwargs):
         countdown = whole_seconds(countdown)  # native delayed delivery: never under 1 s
+        # The burst may move the run (re-sent by a worker) up to its max wait.
+        due = countdown + settings.debounce_max_wait
+        call = RevocableCall(task.name, key, None, True)
+        keep_revocable(
+            task.app, _producer_store(settings), settings.app.key_prefix, task_id, call, due
+        )
+    # As far as the countdown really is (whole seconds on quorum queues).
+    expires = moved_expiry(expires, countdown - delay_ms / 1000)
     try:
         return publish(
-            args, kwargs, task_id=task_id, headers=headers, countdown=countdown, **options
+            args,
+            kwargs,
+            task_id=task_id,
+            headers=headers,
+            countdown=countdown,
+            expires=expires,
+            **options,
         )
     except BaseException:
         with contextlib.suppress(Exception):

@@ -116,5 +116,13 @@ class LockNotOwned(RedisLockError):
 class LockLost(LockNotOwned):
     """The lock was found gone or taken over while it was held.
 
-    Raised inside a running task when ``lock_on_lost="abort"``.
+    Raised inside a running task when ``lock_on_lost="abort"``. In a thread
+    other than the main one it arrives as an asynchronous exception, which
+    Python raises as the bare class: no key then (the log and the
+    ``lock_lost`` signal name it).
     """
+
+    def __str__(self) -> str:
+        if not self.key:
+            return "the lock was lost while held; execution aborted"
+        return super().__str__()

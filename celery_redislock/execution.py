@@ -25,7 +25,9 @@ from celery_redislock._clock import clock
 from celery_redislock._local import ExecutionStack
 from celery_redislock.abort import interrupter_for_current_thread
 from celery_redislock.acquire import SecondCopy
+from celery_redislock.brokers import whole_second_delays
 from celery_redislock.exceptions import LockBackendError, LockKeyError
+from celery_redislock.handoff import forget_revocable, keep_revocable
 from celery_redislock.headers import (
     LOCK_RETRIES_HEADER,
     PARKED_SINCE_HEADER,
@@ -36,6 +38,7 @@ from celery_redislock.headers import (
 )
 from celery_redislock.lease import LockHandle
 from celery_redislock.parking import ParkingAttempt, handoff_policy
+from celery_redislock.pending import RevocableCall
 from celery_redislock.policies import (
     LOCK_ACQUIRED,
     Contention,
@@ -273,6 +276,11 @@ class Execution(ParkingAttempt):
             if interrupt is not None:
                 handle.on_lost(interrupt)
         handle.start_renewal()
+        if self.request.eta and (settings.enqueue or settings.debounce):
+            # It waited for its countdown, maybe in the broker, with a record
+            # of what a revoke would free (``revoked.py``): no longer needed.
+            prefix = settings.app.key_prefix
+            forget_revocable(task.app, settings.backend, prefix, self.request.id or "")
         signals.lock_acquired.send(
             sender=task,
             key=handle.key,
@@ -310,10 +318,15 @@ class Execution(ParkingAttempt):
             same_key = False
         if same_key:
             # The retried message carries the same token and takes it over.
-            self.keep = (
-                self.queued_token,
-                self.settings.enqueue_ttl + seconds_until(retry.when),
-            )
+            ttl = self.settings.enqueue_ttl + seconds_until(retry.when)
+            self.keep = (self.queued_token, ttl)
+            if retry.when and whole_second_delays(task.app, task, sig.options, args, kwargs):
+                # Its countdown waits in the broker: a revoke frees the key from this.
+                call = RevocableCall(task.name, self.key, self.queued_token, False)
+                store = self.settings.enqueue_backend or self.settings.backend
+                prefix = self.settings.app.key_prefix
+                due = seconds_until(retry.when)
+                keep_revocable(task.app, store, prefix, self.request.id or "", call, due)
 
     def give_back(self) -> None:
         """Give back what this execution took; safe to call again if interrupted."""

@@ -32,9 +32,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from kombu.serialization import dumps as kombu_dumps
 from kombu.serialization import loads as kombu_loads
+from kombu.serialization import registry  # type: ignore[attr-defined]
 
+from celery_redislock.brokers import delays_wait_in_the_broker
+from celery_redislock.exceptions import LockBackendError
 from celery_redislock.headers import HANDOFF_COPY_HEADER
-from celery_redislock.pending import PendingIndex
+from celery_redislock.pending import PendingIndex, RevocableCall
 from celery_redislock.tokens import new_nonce
 
 if TYPE_CHECKING:
@@ -46,6 +49,8 @@ if TYPE_CHECKING:
 __all__ = [
     "ResendableTask",
     "app_pending",
+    "forget_revocable",
+    "keep_revocable",
     "marker_ttl_ms",
     "pack_message",
     "pack_signature",
@@ -72,6 +77,22 @@ class ResendableTask(Protocol):
         """Celery's ``Task.signature_from_request``."""
 
 
+#: Where the worker's parent notes the content type of the message an
+#: execution came in (``request.py``), read here from the task's request.
+RECEIVED_CONTENT_TYPE = "redislock_content_type"
+
+
+def received_serializer(task: ResendableTask) -> str | None:
+    """The serializer the running execution's message came with, else the task's.
+
+    A call sent with ``apply_async(serializer=...)`` may carry what the
+    task's own serializer refuses (a set under pickle): its re-sends keep it.
+    """
+    content_type = getattr(task.request, RECEIVED_CONTENT_TYPE, None)
+    name = registry.type_to_name.get(content_type) if content_type else None
+    return name or task.serializer
+
+
 def pack_message(task: ResendableTask, headers: dict[str, Any]) -> bytes:
     """Return the message that re-runs the current request now, with ``headers``.
 
@@ -80,7 +101,7 @@ def pack_message(task: ResendableTask, headers: dict[str, Any]) -> bytes:
     """
     request = task.request
     signature = task.signature_from_request(request, retries=request.retries or 0, headers=headers)
-    return pack_signature(signature, task.serializer)
+    return pack_signature(signature, received_serializer(task))
 
 
 def pack_signature(signature: Any, serializer: str | None) -> bytes:
@@ -104,6 +125,42 @@ def app_pending(app: Celery, store: LockStore, prefix: str) -> PendingIndex:
     return PendingIndex(store, prefix, str(app.main or "celery"))
 
 
+#: How long a revoke record outlives its call's due time, in seconds: the
+#: message leaves RabbitMQ's delay queues then (a worker that holds it later
+#: gives the keys back itself).
+REVOCABLE_MARGIN = 60.0
+
+
+def keep_revocable(
+    app: Celery, store: LockStore, prefix: str, task_id: str, call: RevocableCall, due: float
+) -> None:
+    """Record what a revoke of ``task_id``, due in ``due`` s, gives back: it waits in the broker.
+
+    With RabbitMQ's native delayed delivery (quorum queues) no worker holds
+    the message until it is due, so a revoke finds nothing to give back
+    there (``revoked.py``). Best effort: a store that fails leaves the keys
+    to be freed when the message arrives and Celery discards it.
+    """
+    ttl_ms = max(int((due + REVOCABLE_MARGIN) * 1000), 1)
+    try:
+        app_pending(app, store, prefix).keep_revocable(task_id, call, ttl_ms)
+    except LockBackendError as exc:
+        logger.info("%s[%s]: no revoke record kept: %s", call.task_name, task_id, exc)
+
+
+def forget_revocable(app: Celery, store: LockStore, prefix: str, task_id: str) -> None:
+    """A run that waited in the broker was granted: its revoke record goes (best effort).
+
+    Only where countdowns wait in the broker (the only place records are
+    kept): elsewhere it would cost a round trip for nothing.
+    """
+    if delays_wait_in_the_broker(app):
+        try:
+            app_pending(app, store, prefix).forget_revocable(task_id)
+        except LockBackendError as exc:  # it expires a minute after the call was due
+            logger.debug("%s: revoke record left to expire: %s", task_id, exc)
+
+
 def marker_ttl_ms(conf: Any, enqueue_ttl: float, ttl: float) -> int:
     """How long a call's queue entries and "ran" markers live, in ms.
 
@@ -125,6 +182,11 @@ def unpack_message(message: bytes) -> dict[str, Any]:
     signature: dict[str, Any] = kombu_loads(
         body, content_type, envelope["ce"], accept={content_type}
     )
+    # Published again with the serializer it was stored with (the call's
+    # own, which may carry what the task's serializer refuses).
+    serializer = registry.type_to_name.get(content_type)
+    if serializer is not None:
+        signature.setdefault("options", {}).setdefault("serializer", serializer)
     return signature
 
 

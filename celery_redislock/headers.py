@@ -35,6 +35,7 @@ __all__ = [
     "UNSETTLED_HEADER",
     "LockKeyEncodeError",
     "as_received",
+    "aware_eta",
     "own_values",
     "queued_token",
     "redelivered",
@@ -106,21 +107,24 @@ def own_values(request: Any, values: Any) -> list[str]:
     return own
 
 
-def seconds_until(when: Any) -> float:
-    """Seconds from now until a countdown (number) or an ETA (datetime or ISO 8601).
+def aware_eta(when: Any) -> datetime | None:
+    """An ETA (datetime or ISO 8601, as Celery parses it) as an aware datetime; else ``None``.
 
     A naive ETA is UTC, as Celery reads it.
     """
-    if when is None:
-        return 0.0
-    if isinstance(when, (int, float)):
-        return max(float(when), 0.0)
     if isinstance(when, str):
         when = maybe_iso8601(when)
-    if isinstance(when, datetime):
-        eta = maybe_make_aware(when)
-        return max((eta - datetime.now(timezone.utc)).total_seconds(), 0.0)
-    return 0.0
+    return maybe_make_aware(when) if isinstance(when, datetime) else None
+
+
+def seconds_until(when: Any) -> float:
+    """Seconds from now until a countdown (number) or an ETA (see :func:`aware_eta`)."""
+    if isinstance(when, (int, float)):
+        return max(float(when), 0.0)
+    eta = aware_eta(when)
+    if eta is None:
+        return 0.0
+    return max((eta - datetime.now(timezone.utc)).total_seconds(), 0.0)
 
 
 class LockKeyEncodeError(LockKeyError, EncodeError):

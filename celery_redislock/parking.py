@@ -143,7 +143,7 @@ class ParkingAttempt(LockAttempt):
                 request.id,
                 due,
             )
-            resend(self.task, due, LockContended(self.key, None, due), {})
+            resend(self.task, due, LockContended(self.key, None, due), {}, move_expiry=True)
 
     def _withdraw(self) -> None:
         """Take this call out of the hand-off queue for good (best effort: never raises).

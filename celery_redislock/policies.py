@@ -15,6 +15,8 @@ default-configured objects.
 
 from __future__ import annotations
 
+import math
+import numbers
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -119,6 +121,18 @@ class Contention:
         return LockContended(self.key, self.holder_task_id, self.ttl_remaining)
 
 
+def _non_negative(value: Any, where: str, whole: bool = False) -> Any:
+    """``value``, a finite number >= 0 (``whole``: an int); else a ``ConfigurationError``."""
+    kind = numbers.Integral if whole else numbers.Real
+    if not isinstance(value, kind) or isinstance(value, bool) or not math.isfinite(value):
+        what = "an int" if whole else "a finite number of seconds"
+        raise ConfigurationError(f"{where} must be {what} >= 0, got {value!r}")
+    if value < 0:
+        raise ConfigurationError(f"{where} must be >= 0, got {value!r}")
+    # A Fraction of a second works, as a float: the waits take floats.
+    return value if whole or isinstance(value, (int, float)) else float(value)
+
+
 class ContentionPolicy(ABC):
     """Base class of contention policies."""
 
@@ -175,7 +189,8 @@ class Retry(ContentionPolicy):
         countdown: Seconds until the retry; ``None`` uses the holder's
             remaining TTL (when the lock is free at the latest, even if the
             holder died), or 1 s if that is unknown.
-        max_retries: Lock retries allowed before ``then`` decides.
+        max_retries: Lock retries allowed before ``then`` decides (``None``:
+            no limit, as Celery's own ``max_retries``).
         jitter: Up to this many random seconds are added to the countdown, so
             many duplicates do not all come back at the same instant.
         then: Policy used once the budget is spent (default: :class:`Raise`,
@@ -187,19 +202,17 @@ class Retry(ContentionPolicy):
     def __init__(
         self,
         countdown: float | None = None,
-        max_retries: int = 10,
+        max_retries: int | None = 10,
         jitter: float = 1.0,
         then: ContentionPolicy | str | None = None,
     ) -> None:
-        if countdown is not None and countdown < 0:
-            raise ConfigurationError(f"Retry countdown must be >= 0, got {countdown!r}")
-        if max_retries < 0:
-            raise ConfigurationError(f"Retry max_retries must be >= 0, got {max_retries!r}")
-        if jitter < 0:
-            raise ConfigurationError(f"Retry jitter must be >= 0, got {jitter!r}")
+        if countdown is not None:
+            _non_negative(countdown, "Retry countdown")
+        if max_retries is not None:  # None: no limit, as Celery's own max_retries
+            _non_negative(max_retries, "Retry max_retries", whole=True)
         self.countdown = countdown
         self.max_retries = max_retries
-        self.jitter = jitter
+        self.jitter = _non_negative(jitter, "Retry jitter")
         self.then = resolve_policy(then) if then is not None else Raise()
 
     def countdown_for(self, contention: Contention) -> float:
@@ -211,7 +224,7 @@ class Retry(ContentionPolicy):
 
     def handle(self, contention: Contention) -> Any:
         """Re-send the task after :meth:`countdown_for`; once the budget is spent, ``then``."""
-        if contention.lock_retries >= self.max_retries:
+        if self.max_retries is not None and contention.lock_retries >= self.max_retries:
             return self.then.handle(contention)
         return contention.retry_later(self.countdown_for(contention), contention.error())
         return None
@@ -232,9 +245,9 @@ class Wait(ContentionPolicy):
     name = "wait"
 
     def __init__(self, timeout: float = 10.0, then: ContentionPolicy | str | None = None) -> None:
-        if timeout < 0:
-            raise ConfigurationError(f"Wait timeout must be >= 0, got {timeout!r}")
-        self.timeout = timeout
+        # No None: a wait without end holds a worker slot for ever (HandOff
+        # waits without one).
+        self.timeout = _non_negative(timeout, "Wait timeout")
         self.then = resolve_policy(then) if then is not None else Retry()
 
     def handle(self, contention: Contention) -> Any:
@@ -275,12 +288,10 @@ class HandOff(ContentionPolicy):
         jitter: float = 1.0,
         then: ContentionPolicy | str | None = None,
     ) -> None:
-        if max_wait is not None and max_wait < 0:
-            raise ConfigurationError(f"HandOff max_wait must be >= 0, got {max_wait!r}")
-        if jitter < 0:
-            raise ConfigurationError(f"HandOff jitter must be >= 0, got {jitter!r}")
+        if max_wait is not None:
+            _non_negative(max_wait, "HandOff max_wait")
         self.max_wait = max_wait
-        self.jitter = jitter
+        self.jitter = _non_negative(jitter, "HandOff jitter")
         self.then = resolve_policy(then) if then is not None else Raise()
 
     def handle(self, contention: Contention) -> Any:

@@ -11,20 +11,24 @@ store keeps it for a worker's sweep (:func:`keep_in_outbox`). May import:
 from __future__ import annotations
 
 import logging
+import time
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 from celery.exceptions import Reject
 from celery.exceptions import Retry as CeleryRetry
+from celery.utils.time import maybe_iso8601
 
 from celery_redislock import signals
 from celery_redislock.brokers import publisher_headers, routable_countdown
 from celery_redislock.exceptions import LockBackendError
-from celery_redislock.handoff import app_pending, pack_signature
+from celery_redislock.handoff import app_pending, pack_signature, received_serializer
 from celery_redislock.headers import (
     BACKEND_RETRIES_HEADER,
     MAX_UNSETTLED,
     REDELIVERED_HEADER,
     UNSETTLED_HEADER,
+    aware_eta,
     own_values,
     redelivered,
 )
@@ -157,23 +161,55 @@ def resend_headers(request: Any, extra: dict[str, Any]) -> dict[str, Any]:
     return headers
 
 
-def resend(task: LockedTask, countdown: float, exc: Exception, headers: dict[str, Any]) -> NoReturn:
+def moved_expiry(expires: Any, seconds: float) -> Any:
+    """``expires`` as Celery takes it (seconds from now, a datetime, ISO 8601), ``seconds`` later.
+
+    A debounced run's expiry moves with its due time: the window is the
+    package's delay, not the caller's, and must not eat into ``expires``.
+    """
+    if expires is None or seconds <= 0:
+        return expires
+    if isinstance(expires, (int, float)):
+        return expires + seconds
+    # Parsed as Celery parses it (dateutil: "Z", "+0000", basic format, on 3.10 too).
+    return cast(datetime, maybe_iso8601(expires)) + timedelta(seconds=seconds)
+
+
+def resend(
+    task: LockedTask,
+    countdown: float,
+    exc: Exception,
+    headers: dict[str, Any],
+    *,
+    move_expiry: bool = False,
+) -> NoReturn:
     """Re-send this execution to run in ``countdown`` seconds, then raise Retry.
 
     Unlike ``self.retry()``, ``retries`` is not incremented: a lock retry
     must not spend the task's own ``max_retries``. The counters travel in
     message headers instead. The re-send carries ``retries``, so
-    ``apply_async`` publishes it even while the key is held.
+    ``apply_async`` publishes it even while the key is held. With
+    ``move_expiry`` (a debounced run moved by a later call), its ``expires``
+    moves as far as its due time: from its eta to the countdown as routed.
     """
     request = task.request
     headers = resend_headers(request, headers)
     signature = task.signature_from_request(
-        request, countdown=countdown, retries=request.retries or 0, headers=headers
+        request,
+        countdown=countdown,
+        retries=request.retries or 0,
+        headers=headers,
+        serializer=received_serializer(task),
     )
     if request.is_eager:
         # Eager apply() re-runs a Retry's signature at once (no countdown).
         raise CeleryRetry(exc=exc, when=cast(Any, countdown), is_eager=True, sig=signature)
     countdown = routable_countdown(task, signature, countdown)  # one Celery can route
+    if move_expiry and request.expires:
+        # From the due time it had (its eta; now if none) to the one it gets.
+        eta = aware_eta(request.eta)
+        moved = countdown + (time.time() - eta.timestamp() if eta is not None else 0.0)
+        signature.set(expires=moved_expiry(request.expires, moved))
     try:
         signature.apply_async()
     except Exception as publish_error:
@@ -198,7 +234,7 @@ def keep_in_outbox(
         name: value for name, value in signature.options.items() if name not in ("countdown", "eta")
     }
     message = pack_signature(
-        task.signature(signature.args, signature.kwargs, **options), task.serializer
+        task.signature(signature.args, signature.kwargs, **options), received_serializer(task)
     )
     try:
         if settings.app.sweep_interval <= 0:

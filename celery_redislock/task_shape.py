@@ -38,6 +38,10 @@ class LockedTask(ResendableTask, Protocol):
     def acks_late(self) -> bool:
         """Whether the message is acknowledged only after the run."""
 
+    @property
+    def expires(self) -> Any:
+        """Celery's default ``expires`` of the task's calls (``None``: none)."""
+
     def lock_settings(self) -> TaskSettings:
         """The task's effective settings."""
 

@@ -177,16 +177,32 @@ def fragile_out_of_retries(self: Any, name: str) -> int:
     return 0
 
 
-@app.task(base=SingletonTask, bind=True, lock_args=("name",))
-def slow_cleanup(self: Any, name: str) -> str:
-    """Its own ``finally`` takes 1.5 s (a flush, an upload, a rollback)."""
-    record().hset(f"started:{self.request.id}", mapping={"pid": os.getpid(), "key": self.lock.key})
+def _hold_then_clean_up(task: Any, name: str, cleanup: float) -> str:
+    record().hset(f"started:{task.request.id}", mapping={"pid": os.getpid(), "key": task.lock.key})
     try:
         time.sleep(60)
     finally:
-        time.sleep(1.5)
+        time.sleep(cleanup)
         record().rpush(f"events:{name}", "cleanup-done")
     return name
+
+
+@app.task(base=SingletonTask, bind=True, lock_args=("name",))
+def slow_cleanup(self: Any, name: str) -> str:
+    """Its own ``finally`` takes 1.5 s (a flush, an upload, a rollback)."""
+    return _hold_then_clean_up(self, name, 1.5)
+
+
+@app.task(base=SingletonTask, bind=True, lock_args=("name",))
+def stuck_cleanup(self: Any, name: str) -> str:
+    """Its own ``finally`` takes 30 s: only a SIGKILL ends it sooner."""
+    return _hold_then_clean_up(self, name, 30)
+
+
+@app.task(base=SingletonTask, bind=True, lock_args=("name",))
+def quick_cleanup(self: Any, name: str) -> str:
+    """Its own ``finally`` takes 0.3 s, yielding (under gevent, a patched sleep)."""
+    return _hold_then_clean_up(self, name, 0.3)
 
 
 @app.task(base=SingletonTask, bind=True, lock_args=("name",), lock_ttl=0.6)
@@ -211,9 +227,13 @@ def periodic() -> str:
     return "ran"
 
 
-def count_expired(sender: Any = None, expired: bool = False, **kwargs: Any) -> None:
+def count_revoked(
+    sender: Any = None, request: Any = None, expired: bool = False, **kwargs: Any
+) -> None:
     if expired:
         record().incr("expired")
+    if request is not None:
+        record().incr(f"revoked:{request.id}")
 
 
 @app.task(
@@ -295,7 +315,7 @@ def count_contention(sender: Any = None, **kwargs: Any) -> None:
 # Counted only in the worker processes the tests start: the test process
 # imports this module too, and must not send its own events here.
 if "REDISLOCK_TEST_URL" in os.environ:
-    task_revoked.connect(count_expired, weak=False)
+    task_revoked.connect(count_revoked, weak=False)
     lock_lost.connect(count_loss, weak=False)
     lock_contended.connect(count_contention, weak=False)
 
@@ -341,4 +361,16 @@ def survives_soft_limit(self: Any, name: str) -> str:
     except SoftTimeLimitExceeded:
         record().rpush(f"events:{name}", "soft")
         time.sleep(2)
+    return name
+
+
+@app.task(base=SingletonTask, bind=True, lock_args=("name",))
+def survives_kill(self: Any, name: str, then: float = 0.0) -> str:
+    """Under gevent: swallows the greenlet's kill (GreenletExit), runs on ``then`` s, ends."""
+    record().hset(f"started:{self.request.id}", mapping={"pid": os.getpid(), "key": self.lock.key})
+    try:
+        time.sleep(60)
+    except BaseException:
+        record().rpush(f"events:{name}", "killed")
+    time.sleep(then)
     return name

@@ -205,3 +205,27 @@ def test_a_debounced_run_whose_countdown_died_with_its_worker_runs(
     assert started - called_at <= 6.0 + BOUND
     if conf or RABBITMQ:
         _runs_once(workers, "sweep-debounced", run.id)
+
+
+def test_the_sweeps_copy_of_a_moved_debounced_run_does_not_expire_with_its_first_call(
+    workers: Cluster,
+) -> None:
+    """The first call expires 1 s after it (the window moves that to 7 s); a call 2 s later
+    moves the run to 8 s; the worker holding it dies. The sweep's copy carried the
+    first call's expiry and was REVOKED on arrival: the burst never ran (review helper-30).
+    """
+    wa = _first_worker(workers, {})
+    with producer(workers):
+        run = worker_app.debounced.apply_async(("sweep-moved",), expires=1)
+        called_at = time.time()
+        wait_until(lambda: _reserved_by_a_worker(workers), timeout=10, message="reserved by wa")
+        # The burst's second call, 2 s after the first (past its expiry).
+        wait_until(lambda: time.time() - called_at >= 2.0, timeout=5)
+        assert worker_app.debounced.delay("sweep-moved").id == run.id  # joins, moves it
+        moved_at = time.time()
+    workers.worker(ttl=TTL, name="wb", conf={})
+    wa.kill_group()
+    assert workers.producer.AsyncResult(run.id).get(timeout=6.0 + BOUND + 20) == run.id
+    (started,) = _starts(workers, "sweep-moved", run.id)
+    print(f"\n[measured] moved debounced call -> its run started after {started - moved_at:.2f}s")
+    assert started - moved_at <= 6.0 + BOUND

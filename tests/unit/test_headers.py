@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -56,3 +57,28 @@ def test_arguments_are_keyed_as_the_worker_receives_them() -> None:
     assert as_received(((2, 3),), {}, "pickle", "job") == (((2, 3),), {})
     with pytest.raises(LockKeyError, match="job: the arguments cannot be sent with the 'json'"):
         as_received(({1, 2},), {}, "json", "job")
+
+
+@pytest.mark.parametrize(
+    ("expires", "moved"),
+    [
+        (2, 7),
+        (2.5, 7.5),
+        (
+            datetime(2030, 1, 1, tzinfo=timezone.utc),
+            datetime(2030, 1, 1, 0, 0, 5, tzinfo=timezone.utc),
+        ),
+        # As Celery parses ISO 8601 (dateutil), on Python 3.10 too, where
+        # datetime.fromisoformat refuses "Z" and "+0000" (review helper-30).
+        ("2030-01-01T00:00:00Z", datetime(2030, 1, 1, 0, 0, 5, tzinfo=timezone.utc)),
+        ("2030-01-01T00:00:00+0000", datetime(2030, 1, 1, 0, 0, 5, tzinfo=timezone.utc)),
+        ("20300101T000000Z", datetime(2030, 1, 1, 0, 0, 5, tzinfo=timezone.utc)),
+        ("2029-12-31T24:00:00Z", datetime(2030, 1, 1, 0, 0, 5, tzinfo=timezone.utc)),
+        (None, None),
+    ],
+)
+def test_a_debounced_runs_expiry_moves_in_every_form_celery_takes(expires: Any, moved: Any) -> None:
+    from celery_redislock.resend import moved_expiry
+
+    assert moved_expiry(expires, 5) == moved
+    assert moved_expiry(expires, 0) == expires

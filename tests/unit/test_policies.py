@@ -7,7 +7,16 @@ from typing import Any, NoReturn
 
 import pytest
 
-from celery_redislock import ConfigurationError, LockContended, Raise, Retry, Skip, Wait, is_skipped
+from celery_redislock import (
+    ConfigurationError,
+    HandOff,
+    LockContended,
+    Raise,
+    Retry,
+    Skip,
+    Wait,
+    is_skipped,
+)
 from celery_redislock.policies import LOCK_ACQUIRED, Contention, resolve_policy
 
 
@@ -96,6 +105,36 @@ def test_unknown_policy_is_a_clear_error(bad: Any) -> None:
 def test_bad_policy_arguments(factory: Any) -> None:
     with pytest.raises(ConfigurationError):
         factory()
+
+
+@pytest.mark.parametrize(
+    ("factory", "named"),
+    [
+        (lambda: Retry(countdown="5"), "Retry countdown"),
+        (lambda: Retry(max_retries="3"), "Retry max_retries"),
+        (lambda: Retry(max_retries=2.5), "Retry max_retries"),
+        (lambda: Retry(max_retries=True), "Retry max_retries"),
+        (lambda: Retry(jitter=None), "Retry jitter"),
+        (lambda: Wait(timeout=None), "Wait timeout"),
+        (lambda: Wait(timeout="10"), "Wait timeout"),
+        (lambda: HandOff(max_wait="60"), "HandOff max_wait"),
+        (lambda: HandOff(jitter=None), "HandOff jitter"),
+        (lambda: Retry(countdown=float("nan")), "Retry countdown"),
+        (lambda: Retry(jitter=float("inf")), "Retry jitter"),
+        (lambda: Wait(timeout=float("inf")), "Wait timeout"),
+        (lambda: HandOff(max_wait=float("nan")), "HandOff max_wait"),
+    ],
+)
+def test_a_policy_argument_of_the_wrong_type_is_a_configuration_error_naming_it(
+    factory: Any, named: str
+) -> None:
+    with pytest.raises(ConfigurationError, match=named):
+        factory()
+
+
+def test_retry_max_retries_none_retries_without_limit_as_celery_does() -> None:
+    with pytest.raises(Retried):
+        Retry(max_retries=None, jitter=0).handle(contention(lock_retries=10**9))
 
 
 def test_policies_compare_by_value() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -19,8 +20,12 @@ from celery_redislock import (
     SingletonTask,
     Wait,
     is_skipped,
+    revoked,
 )
+from celery_redislock.handoff import app_pending
+from celery_redislock.pending import RevocableCall
 from celery_redislock.task import QUEUED_TOKEN_HEADER
+from celery_redislock.tokens import LockValue
 from tests.brokers import QUORUM, RABBITMQ, declare_as_a_worker_would, queue_length
 from tests.conftest import LOCK_DB, embedded_worker
 from tests.helpers import decoded, hold_lock
@@ -230,6 +235,32 @@ def test_hold_after_success_drops_a_late_duplicate(app: Celery, record: redis.Re
     assert record.get("runs-no-window") == "2"
 
 
+@pytest.mark.parametrize("lock_enqueue", [True, False])
+def test_the_longest_idempotency_window_a_setting_takes_works_end_to_end(
+    app: Celery, record: redis.Redis, lock_client: redis.Redis, lock_enqueue: bool
+) -> None:
+    """``MAX_SECONDS`` (about 317 years): every script that keeps the key takes its milliseconds."""
+    from celery_redislock.validators import MAX_SECONDS
+
+    @app.task(
+        base=SingletonTask,
+        shared=False,
+        lock_enqueue=lock_enqueue,
+        lock_hold_after_success=MAX_SECONDS,
+        lock_ttl=MAX_SECONDS,
+    )
+    def once_ever(event_id: str) -> str:
+        record.incr("runs")
+        return event_id
+
+    with embedded_worker(app, "threads", 2):
+        assert once_ever.delay("evt").get(timeout=20) == "evt"
+        again = once_ever.delay("evt").get(timeout=20)
+        assert again == "evt" if lock_enqueue else is_skipped(again)
+    assert record.get("runs") == "1"
+    assert lock_client.pttl(once_ever.lock_key_for(("evt",), {})) > (MAX_SECONDS - 60) * 1000
+
+
 def test_canvas_members_are_published_and_complete(app: Celery, record: redis.Redis) -> None:
     @app.task(
         base=SingletonTask,
@@ -252,6 +283,88 @@ def test_canvas_members_are_published_and_complete(app: Celery, record: redis.Re
         assert chain(step.s(1), step.s(), step.s()).apply_async().get(timeout=30) == 4
         assert (group(step.s(n) for n in range(3)) | total.s()).apply_async().get(timeout=30) == 6
     assert int(record.get("steps")) == 3 + 3 + 3
+
+
+@pytest.mark.parametrize("shape", ["chain", "replace", "link"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"lock_enqueue": True, "lock_hold_after_success": 60},
+        {"lock_enqueue": "until_start"},
+        {"lock_debounce": 2},
+    ],
+    ids=["idempotency_window", "coalescing", "debounce"],
+)
+def test_celerys_own_sends_of_a_workflow_member_are_published_whatever_its_key_holds(
+    app: Celery, record: redis.Redis, options: dict[str, Any], shape: str
+) -> None:
+    """Celery's own sends are members: a chain's last (``chain=[]``), a replacement, a callback.
+
+    The caller waits on the id Celery gave it: joined to another run, it
+    would stay PENDING for ever.
+    """
+
+    @app.task(base=SingletonTask, shared=False, lock_args=("account",), **options)
+    def settle(account: int, label: str = "") -> str:
+        record.rpush("runs", label)
+        if label == "running":
+            time.sleep(2)  # the work: a coalesced call meanwhile queues the next run
+        return f"settled {account}"
+
+    @app.task(shared=False)
+    def first() -> str:
+        return "first"
+
+    @app.task(shared=False, bind=True)
+    def router(self: Any) -> Any:
+        return self.replace(settle.si(1, "chained"))
+
+    def start_workflow() -> Any:
+        if shape == "chain":
+            return chain(first.si(), settle.si(1, "chained")).apply_async()
+        if shape == "replace":
+            return chain(first.si(), router.si()).apply_async()
+        callback = settle.si(1, "chained")
+        callback.freeze()
+        first.apply_async(link=callback)
+        return app.AsyncResult(callback.id)
+
+    with embedded_worker(app, "threads", 3):
+        if "lock_hold_after_success" in options:
+            # A success keeps the key: a later delay() joins it, a chain member must not.
+            assert settle.delay(1, "alone").get(timeout=20) == "settled 1"
+        elif "lock_enqueue" in options:
+            settle.delay(1, "running")
+            wait_until(lambda: record.lrange("runs", 0, -1) == ["running"], timeout=10)
+            settle.delay(1, "queued")  # the next run: later calls join it
+        else:
+            settle.delay(1, "alone")  # a debounce burst is open for 2 s
+        outcome = start_workflow().get(timeout=20)
+    # Run, or skipped at run time (the idempotency window): never left unpublished.
+    assert outcome == "settled 1" or is_skipped(outcome), outcome
+    if "lock_hold_after_success" not in options:
+        assert "chained" in record.lrange("runs", 0, -1)
+
+
+def test_calls_made_in_a_task_body_are_deduplicated_like_any_other(
+    app: Celery, record: redis.Redis
+) -> None:
+    """Celery adds ``parent_id`` to them after ``apply_async``: they are not workflow sends."""
+
+    @app.task(base=SingletonTask, shared=False, lock_args=("account",), lock_enqueue=True)
+    def settle(account: int) -> str:
+        record.rpush("runs", account)
+        return f"settled {account}"
+
+    @app.task(shared=False)
+    def fan_out() -> list[str]:
+        return [settle.delay(1).id, settle.apply_async((1,)).id, settle.s(1).delay().id]
+
+    with embedded_worker(app, "threads", 2):
+        ids = fan_out.delay().get(timeout=20)
+        assert len(set(ids)) == 1
+        assert app.AsyncResult(ids[0]).get(timeout=20) == "settled 1"
+    assert record.lrange("runs", 0, -1) == ["1"]
 
 
 def test_beat_runs_skip_even_when_the_task_retries(app: Celery, lock_client: redis.Redis) -> None:
@@ -553,7 +666,6 @@ def _scheduled(app: Celery, task_id: str) -> bool:
     return any(entry["request"]["id"] == task_id for rows in replies.values() for entry in rows)
 
 
-@held_by_the_broker
 @pytest.mark.parametrize("mode", ["until_done", "until_start", "debounce"])
 def test_a_task_revoked_during_its_countdown_frees_its_key_at_once(
     app_factory: Any, record: redis.Redis, mode: str
@@ -574,7 +686,8 @@ def test_a_task_revoked_during_its_countdown_frees_its_key_at_once(
             revoked = recompute.delay(1)  # its countdown is the 60 s window
         else:
             revoked = recompute.apply_async((1,), countdown=60)
-        wait_until(lambda: _scheduled(app, revoked.id), timeout=20)
+        if not QUORUM:  # there the message waits in the broker's delay queues
+            wait_until(lambda: _scheduled(app, revoked.id), timeout=20)
         assert app.control.revoke(revoked.id, reply=True, timeout=5)
         later = recompute.delay(1)
         assert later.id != revoked.id  # published (or a new burst), not joined to the revoked run
@@ -585,7 +698,37 @@ def test_a_task_revoked_during_its_countdown_frees_its_key_at_once(
             later.revoke()
 
 
-@held_by_the_broker
+def test_a_revoke_record_is_left_to_a_worker_that_knows_the_task(
+    app_factory: Any, lock_client: redis.Redis
+) -> None:
+    """Every worker gets a revoke: one of another group (same app name) must not drop it."""
+    app = app_factory()
+    other = app_factory()
+    other.main = app.main  # another worker group of the same app, without this task
+
+    @app.task(base=SingletonTask, shared=False, lock_args=("account",), lock_enqueue=True)
+    def recompute(account: int) -> int:
+        return account
+
+    @other.task(base=SingletonTask, shared=False)
+    def unrelated() -> None:
+        return None
+
+    key = recompute.lock_key_for((1,), {})
+    token = LockValue.queued("t-1", recompute.name).encode()
+    assert lock_client.set(key, token, px=60_000)
+    settings = recompute.lock_settings()
+    index = app_pending(app, settings.backend, settings.app.key_prefix)
+    index.keep_revocable("t-1", RevocableCall(recompute.name, key, token, False), 60_000)
+
+    revoked._give_back_recorded(other, "t-1")  # does not know recompute: leaves it all
+    assert lock_client.get(key) == token.encode()
+    assert index.read_revocable("t-1") is not None
+    revoked._give_back_recorded(app, "t-1")
+    assert lock_client.exists(key) == 0
+    assert index.read_revocable("t-1") is None
+
+
 @pytest.mark.parametrize("pool", ["threads", "prefork"])
 def test_a_task_revoked_while_its_retry_waits_for_its_countdown_frees_its_key(
     app_factory: Any, record: redis.Redis, pool: str
@@ -604,7 +747,10 @@ def test_a_task_revoked_while_its_retry_waits_for_its_countdown_frees_its_key(
 
     with embedded_worker(app, pool, 2):
         first = recompute.delay(1)
-        wait_until(lambda: _scheduled(app, first.id), timeout=20)
+        if QUORUM:  # the retry waits in the broker: revoke once the first attempt ended
+            wait_until(lambda: first.state == "RETRY", timeout=20)
+        else:
+            wait_until(lambda: _scheduled(app, first.id), timeout=20)
         assert app.control.revoke(first.id, reply=True, timeout=5)
         later = recompute.delay(1)
         assert later.id != first.id  # published, not joined to the revoked retry

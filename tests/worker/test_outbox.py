@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import redis
 from celery import Celery
+from celery.result import AsyncResult
 from celery.worker import state as worker_state
 
 from celery_redislock import LockBackendError, Retry, SingletonTask, lock_contended
@@ -29,23 +32,23 @@ def _acknowledged(task_id: str) -> bool:
     return any(r.id == task_id and r.acknowledged for r in tuple(worker_state.active_requests))
 
 
-def test_a_lock_retry_whose_publish_fails_runs_once_the_broker_is_back(
+@contextlib.contextmanager
+def _a_lock_retry_whose_broker_dies(
     app_factory: Any,
     redis_server_factory: Any,
     record: redis.Redis,
     lock_client: redis.Redis,
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    """The broker dies between the delivery and the lock retry's re-send.
+    sweep_interval: float,
+) -> Iterator[tuple[Celery, RedisServer, AsyncResult]]:
+    """A worker whose broker dies as its one call meets a held key (policy: retry).
 
-    The message was acknowledged when the run started (no ``acks_late``):
-    the re-send is the call's only copy. Kept in the lock store, a worker's
-    sweep publishes it once the broker is back; the call runs, once.
+    Yields the app, the broker (dead by the time the call is in RETRY) and
+    the call's result.
     """
     broker: RedisServer = redis_server_factory()
     app: Celery = app_factory(
         broker_url=broker.url_for(0),
-        redislock_sweep_interval=0.2,
+        redislock_sweep_interval=sweep_interval,
         # Celery warns of its own default here (the broker drops mid-task).
         worker_cancel_long_running_tasks_on_connection_loss=True,
     )
@@ -66,22 +69,40 @@ def test_a_lock_retry_whose_publish_fails_runs_once_the_broker_is_back(
             broker.kill()
 
     lock_contended.connect(broker_dies, weak=False)
-    key = job.lock_key_for(("only",), {})
     try:
-        with (
-            caplog.at_level("WARNING", logger="celery_redislock"),
-            embedded_worker(app, "threads", 2),
-        ):
+        with embedded_worker(app, "threads", 2):
             # Held once the worker is up, so its start-up cannot eat the TTL.
+            key = job.lock_key_for(("only",), {})
             lock_client.set(key, "v1|holder|0|elsewhere|1|ab|job|0", px=1500)
-            result = job.delay("only")
-            wait_until(lambda: app.AsyncResult(result.id).state == "RETRY", timeout=30)
-            assert "kept in the lock store" in caplog.text
-            assert record.llen("runs") == 0
-            broker.start()
-            assert result.get(timeout=60) == "only"
+            yield app, broker, job.delay("only")
     finally:
         lock_contended.disconnect(broker_dies)
+
+
+def test_a_lock_retry_whose_publish_fails_runs_once_the_broker_is_back(
+    app_factory: Any,
+    redis_server_factory: Any,
+    record: redis.Redis,
+    lock_client: redis.Redis,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The broker dies between the delivery and the lock retry's re-send.
+
+    The message was acknowledged when the run started (no ``acks_late``):
+    the re-send is the call's only copy. Kept in the lock store, a worker's
+    sweep publishes it once the broker is back; the call runs, once.
+    """
+    with (
+        caplog.at_level("WARNING", logger="celery_redislock"),
+        _a_lock_retry_whose_broker_dies(
+            app_factory, redis_server_factory, record, lock_client, sweep_interval=0.2
+        ) as (app, broker, result),
+    ):
+        wait_until(lambda: app.AsyncResult(result.id).state == "RETRY", timeout=30)
+        assert "kept in the lock store" in caplog.text
+        assert record.llen("runs") == 0
+        broker.start()
+        assert result.get(timeout=60) == "only"
     assert record.lrange("runs", 0, -1) == ["only"]
 
 
@@ -93,39 +114,12 @@ def test_a_worker_that_does_not_sweep_fails_a_refused_re_send_visibly(
     The call fails (FAILURE naming both refusals) instead of waiting in an
     outbox no worker reads.
     """
-    broker: RedisServer = redis_server_factory()
-    app: Celery = app_factory(
-        broker_url=broker.url_for(0),
-        redislock_sweep_interval=0,
-        worker_cancel_long_running_tasks_on_connection_loss=True,
-    )
-
-    @app.task(
-        base=SingletonTask,
-        shared=False,
-        lock_args=(),
-        lock_on_contention=Retry(countdown=0.5, jitter=0, max_retries=5),
-    )
-    def job(label: str) -> str:
-        record.rpush("runs", label)
-        return label
-
-    def broker_dies(sender: Any = None, **_: Any) -> None:
-        if getattr(sender, "name", None) == job.name and not record.getset("broker-killed", 1):
-            wait_until(lambda: _acknowledged(sender.request.id), timeout=10)
-            broker.kill()
-
-    lock_contended.connect(broker_dies, weak=False)
-    key = job.lock_key_for(("only",), {})
-    try:
-        with embedded_worker(app, "threads", 2):
-            lock_client.set(key, "v1|holder|0|elsewhere|1|ab|job|0", px=1500)
-            result = job.delay("only")
-            wait_until(lambda: app.AsyncResult(result.id).state == "FAILURE", timeout=30)
-            error = app.AsyncResult(result.id).result
-            assert isinstance(error, LockBackendError)
-            assert "does not sweep" in str(error) and "broker refused" in str(error)
-    finally:
-        lock_contended.disconnect(broker_dies)
+    with _a_lock_retry_whose_broker_dies(
+        app_factory, redis_server_factory, record, lock_client, sweep_interval=0
+    ) as (app, _, result):
+        wait_until(lambda: app.AsyncResult(result.id).state == "FAILURE", timeout=30)
+        error = app.AsyncResult(result.id).result
+        assert isinstance(error, LockBackendError)
+        assert "does not sweep" in str(error) and "broker refused" in str(error)
     assert lock_client.hlen(pending_keys("redislock", app.main or "")[1]) == 0
     assert record.llen("runs") == 0

@@ -336,7 +336,9 @@ class RetryInsteadOfSkip(ContentionPolicy):
         """Run ``policy``; a skip result becomes a retry."""
         outcome = self.policy.handle(contention)
         if is_skipped(outcome):
-            return Retry().handle(contention)
+            # Unbounded: its retries count on in its re-sends, and a budget
+            # spent behind a long holder would drop the only copy after all.
+            return _RETRY_UNBOUNDED.handle(contention)
         return outcome
 
 

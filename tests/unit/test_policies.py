@@ -150,3 +150,20 @@ def test_the_lock_store_backoff_doubles_with_equal_jitter_up_to_a_minute() -> No
         samples = [backend_error_countdown(attempt) for _ in range(200)]
         assert all(ceiling / 2 <= s <= ceiling for s in samples), (attempt, min(samples))
     assert BACKEND_BACKOFF_MAX == 60
+
+
+@pytest.mark.parametrize("policy", [Skip(), Retry(max_retries=15, jitter=0, then=Skip())])
+def test_a_redelivered_message_is_retried_past_any_retry_budget_never_dropped(
+    policy: Any,
+) -> None:
+    """The skip a redelivered message would get becomes a retry, however often it met the key.
+
+    It may be the only surviving copy: the default ``Retry``'s budget of 10
+    turned it into a FAILURE once another holder outlived 10 retries
+    (review helper-31, RabbitMQ acks_late, 2 of 2 runs).
+    """
+    from celery_redislock.policies import RetryInsteadOfSkip
+
+    for retries in (0, 10, 16, 10_000):
+        with pytest.raises(Retried):
+            RetryInsteadOfSkip(policy).handle(contention(lock_retries=retries))

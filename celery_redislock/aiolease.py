@@ -102,5 +102,5 @@ class AsyncLockHandle(Lease):
         except LockBackendError as exc:
             self._release_failed(exc)
             return None
-        self._report_release(outcome)
+        self._report_release(outcome, resent=resent)
         return outcome

@@ -208,7 +208,7 @@ class LockHandle(Lease):
         except LockBackendError as exc:
             self._release_failed(exc)
             return None
-        self._report_release(outcome, kept=keep is not None)
+        self._report_release(outcome, kept=keep is not None, resent=resent)
         return outcome
 
 

@@ -124,7 +124,7 @@ class Lease:
 
     @property
     def lost(self) -> bool:
-        """True once the renewer found the lock gone or taken over."""
+        """True once the renewer (or the release) found the lock gone or taken over."""
         return self.lost_reason is not None
 
     @property
@@ -194,8 +194,16 @@ class Lease:
         name, args = self._named()
         logger.error(f"could not release {name}; it expires within %.1fs: %s", *args, self.ttl, exc)
 
-    def _report_release(self, outcome: ReleaseOutcome, kept: bool = False) -> None:
-        """Log what the release found (when it is news) and send ``lock_released``."""
+    def _report_release(
+        self, outcome: ReleaseOutcome, kept: bool = False, resent: bool = False
+    ) -> None:
+        """Log what the release found (when it is news) and send ``lock_released``.
+
+        A loss the renewer had not seen yet (it renews at a third of the
+        TTL) is reported here, as the renewer would have: the ERROR log,
+        ``lock_lost``, ``on_lock_lost``. Not after a release sent again
+        (``resent``): another holder may then follow our own first release.
+        """
         self._release_done = True
         name, args = self._named()
         if outcome is ReleaseOutcome.NOT_OURS:
@@ -209,6 +217,11 @@ class Lease:
             logger.warning(
                 f"{name} had already expired at release (held %.3fs)", *args, self.held_for
             )
+        if outcome is not ReleaseOutcome.RELEASED and not (self.lost or resent):
+            # The abort callback (lock_on_lost="abort") is a no-op by now:
+            # the execution finished before the release was sent.
+            self.lost_reason = "stolen" if outcome is ReleaseOutcome.NOT_OURS else "gone"
+            report_lost(self, self.lost_reason, self._on_lost)
         signals.lock_released.send(
             sender=self.sender,
             key=self.key,

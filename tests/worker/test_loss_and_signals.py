@@ -87,3 +87,38 @@ def test_signals_carry_key_task_and_timing(
     assert by_name["lock_released"][0]["outcome"] == "released"
     assert by_name["lock_released"][0]["held"] >= by_name["lock_renewed"][-1]["held"]
     assert "lock_lost" not in by_name
+
+
+@pytest.mark.parametrize(("taken_by", "reason"), [("thief", "stolen"), (None, "gone")])
+def test_a_loss_the_release_finds_first_is_reported_as_lost(
+    app: Celery,
+    record: redis.Redis,
+    lock_client: redis.Redis,
+    signals_seen: Any,
+    taken_by: str | None,
+    reason: str,
+) -> None:
+    class Hooked(SingletonTask):  # type: ignore[misc]
+        def on_lock_lost(self, handle: Any) -> None:
+            record.set("hook", handle.lost_reason or "")
+
+    # A TTL of 30 s renews every 10 s: the release, not the renewer, finds the loss.
+    @app.task(base=Hooked, bind=True, shared=False, lock_ttl=30, name="hooked")
+    def hooked(self: Any) -> None:
+        record.set("key", self.lock.key)
+        wait_until(lambda: record.get("taken"), timeout=10, message="the key taken")
+
+    with embedded_worker(app, "threads", 2):
+        result = hooked.delay()
+        key = wait_until(lambda: record.get("key"), timeout=20)
+        if taken_by:
+            lock_client.set(key, f"v1|{taken_by}|0|h|1|n|t|0", px=60000)
+        else:
+            lock_client.delete(key)
+        record.set("taken", 1)
+        result.get(timeout=20)
+    lost = [kw for name, kw in signals_seen if name == "lock_lost"]
+    assert [(kw["key"], kw["task_id"], kw["reason"]) for kw in lost] == [(key, result.id, reason)]
+    assert record.get("hook") == reason
+    released = next(kw for name, kw in signals_seen if name == "lock_released")
+    assert released["outcome"] == ("not_ours" if taken_by else "already_gone")

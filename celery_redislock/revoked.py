@@ -111,7 +111,12 @@ def release_revoked_queued_lock(
     Runs in the worker's main process. A running execution has already
     replaced the queued value with its own, which this compare leaves alone.
     """
-    if not isinstance(sender, SingletonTaskMixin) or request is None or terminated:
+    if (
+        not isinstance(sender, SingletonTaskMixin)
+        or request is None
+        or terminated
+        or getattr(request, "redislock_given_back", False)  # by SingletonRequest, first
+    ):
         return
     if request_header(request, DEBOUNCE_HEADER):
         _forget_revoked_burst(sender, request)

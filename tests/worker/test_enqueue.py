@@ -23,6 +23,7 @@ from celery_redislock import (
     revoked,
 )
 from celery_redislock.handoff import app_pending
+from celery_redislock.keys import queued_key
 from celery_redislock.pending import RevocableCall
 from celery_redislock.task import QUEUED_TOKEN_HEADER
 from celery_redislock.tokens import LockValue
@@ -175,6 +176,55 @@ def test_expired_before_start_frees_the_key(
         # key then frees itself when the message expires.
         assert first.state == ("PENDING" if RABBITMQ else "REVOKED")
         assert job.delay(1).get(timeout=20) == 1
+
+
+@pytest.mark.skipif(RABBITMQ, reason="RabbitMQ drops an expired message itself")
+@pytest.mark.parametrize("enqueue", [True, "until_start"])
+def test_an_expired_call_frees_its_key_before_revoked_is_stored(
+    app_factory: Any,
+    record: redis.Redis,
+    lock_client: redis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+    enqueue: Any,
+) -> None:
+    # A call made once the result says REVOKED must be published, never
+    # joined to the run that will not happen.
+    app = app_factory(worker_prefetch_multiplier=1)
+
+    @app.task(base=SingletonTask, shared=False, lock_enabled=False, acks_late=True)
+    def blocker() -> None:
+        wait_until(lambda: record.get("go"), timeout=30)
+
+    @app.task(base=SingletonTask, shared=False, lock_enqueue=enqueue)
+    def job(n: int) -> int:
+        return n
+
+    key = job.lock_key_for((1,), {})
+    if enqueue == "until_start":
+        key = queued_key(key)
+    held_at_revoked: list[int] = []
+    # Each thread has a backend of its own (app.backend): observe its class.
+    backend_class = type(app.backend)
+    mark_as_revoked = backend_class.mark_as_revoked
+
+    def observed(backend: Any, *args: Any, **kwargs: Any) -> Any:
+        held_at_revoked.append(lock_client.exists(key))
+        return mark_as_revoked(backend, *args, **kwargs)
+
+    monkeypatch.setattr(backend_class, "mark_as_revoked", observed)
+    with embedded_worker(app, "threads", 1):
+        busy = blocker.delay()
+        first = job.apply_async((1,), expires=0.2)
+        queued_for = lock_client.pttl(key)
+        assert queued_for > 0
+        wait_until(lambda: lock_client.pttl(key) < queued_for - 300, timeout=5)  # past expiry
+        record.set("go", 1)
+        busy.get(timeout=20)
+        wait_until(lambda: first.state == "REVOKED", timeout=20, message="REVOKED stored")
+        assert held_at_revoked == [0]
+        second = job.delay(1)
+        assert second.id != first.id
+        assert second.get(timeout=20) == 1
 
 
 def test_retry_keeps_ownership_and_is_delivered(

@@ -34,6 +34,18 @@ for i = 1, n do
 end
 """
 
+# A call just parked (or parked again): pending, whichever copy runs it
+# (a copy that was let through, the granted copy redelivered, parks again),
+# and its queue, and its coalesced run's queued key, kept alive.
+_KEEP_PARKED = """
+        redis.call('HDEL', ran, ARGV[4])
+        redis.call('PEXPIRE', waiters, ARGV[7])
+        redis.call('PEXPIRE', parked_hash, ARGV[7])
+        if ARGV[8] ~= '' and redis.call('GET', queued) == ARGV[8] then
+            redis.call('PEXPIRE', queued, ARGV[7])
+        end
+"""
+
 # KEYS[1..n]   - the lock's slot keys (n = #KEYS - 6; n = 1: the lock key
 #                itself; see keys.slot_keys for lock_limit)
 # KEYS[n+1]    - fence counter of the key, shared by its slots
@@ -66,10 +78,11 @@ end
 #         most once, and every holder marked); {2} when another copy of this
 #         call already ran (a redelivery of the granted copy is not refused);
 #         {3, hand-off value, its hold in ms, message} when a copy of a
-#         parked call found a free slot while an earlier parked call waits:
-#         the slot is handed to that one (the caller publishes its message)
-#         and this call stays parked, so parked calls run in the order they
-#         parked, whichever copy finds the key free first.
+#         parked call, or a new call that may park, found a free slot while
+#         an earlier parked call waits (its holder died): the slot is handed
+#         to that one (the caller publishes its message) and this call is
+#         parked behind it, so calls run in the order they parked, whichever
+#         copy finds the key free first.
 PARK_SCRIPT = (
     """
 local n = #KEYS - 6
@@ -137,24 +150,20 @@ if not slot and (same_task or not free) then
             -- (the woken message died): first in line again.
             redis.call('LPUSH', waiters, ARGV[4])
         end
-        -- Parking again (a copy that was let through: the granted copy
-        -- redelivered) means the call is pending again: any copy may run it.
-        redis.call('HDEL', ran, ARGV[4])
-        redis.call('PEXPIRE', waiters, ARGV[7])
-        redis.call('PEXPIRE', parked_hash, ARGV[7])
-        if ARGV[8] ~= '' and redis.call('GET', queued) == ARGV[8] then
-            redis.call('PEXPIRE', queued, ARGV[7])
-        end
 """
+    + _KEEP_PARKED
     + _MARK_HOLDERS
     + """
         parked = 1
     end
     return {0, redis.call('GET', KEYS[blocker]), redis.call('PTTL', KEYS[blocker]), parked}
 end
-if not slot and ARGV[4] ~= '' and redis.call('HEXISTS', parked_hash, ARGV[4]) == 1 then
+local was_waiting = ARGV[4] ~= '' and redis.call('HEXISTS', parked_hash, ARGV[4]) == 1
+if not slot and (was_waiting or (ARGV[4] ~= '' and ARGV[6] ~= '')) then
     -- A copy of a parked call found a slot free (a safety net firing, a
-    -- sweep's copy): the call that parked first goes first.
+    -- sweep's copy), or a new call did (the holder died with calls parked
+    -- behind it, before a sweep handed on): the call that parked first
+    -- goes first, and a new one parks behind it.
     local head
     for _, waiter in ipairs(redis.call('LRANGE', waiters, 0, -1)) do
         if waiter == ARGV[4] then
@@ -169,6 +178,13 @@ if not slot and ARGV[4] ~= '' and redis.call('HEXISTS', parked_hash, ARGV[4]) ==
     end
     if head then
         redis.call('LREM', waiters, 1, head)
+        if not was_waiting then
+            redis.call('HSET', parked_hash, ARGV[4], ARGV[6])
+            redis.call('RPUSH', waiters, ARGV[4])
+"""
+    + _KEEP_PARKED
+    + """
+        end
         redis.call('SET', KEYS[free], head .. '|w', 'PX', ARGV[10])
         local hold_ms, fence_ttl = tonumber(ARGV[10]), tonumber(ARGV[3])
 """

@@ -209,3 +209,25 @@ def test_copies_of_a_call_whose_handed_lock_expired_unused_run_once(
     assert woken.result.acquired
     store.release(KEY, "x-woken")
     assert park(store, "x-net", "handoff-x", copy="f:1", msg=b"").already_ran
+
+
+def test_a_new_call_meeting_a_dead_holders_free_key_queues_behind_the_parked_ones(
+    store: LockStore, lock_client: redis.Redis
+) -> None:
+    """The holder died: its key expired with calls parked behind it, before the sweep came."""
+    assert store.acquire(KEY, "dead-holder", TTL).acquired
+    assert park(store, "a", "handoff-a", msg=b"message-a").parked
+    lock_client.delete(KEY)  # the dead holder's TTL ran out; no release handed on
+    newcomer = park(store, "n", "handoff-n", msg=b"message-n")
+    assert newcomer.parked and not newcomer.result.acquired
+    assert held(lock_client, KEY) == b"handoff-a"  # handed to the first parked call
+    assert store.handed == [(KEY, "handoff-a", b"message-a")]  # type: ignore[attr-defined]
+    waiters = handoff_keys(KEY)[0]
+    assert lock_client.lrange(waiters, 0, -1) == [b"handoff-n"]
+    # Its turn comes at a's release, in arrival order.
+    assert park(store, "a", "handoff-a", copy="woken", msg=b"").result.acquired
+    store.release(KEY, "a")
+    assert held(lock_client, KEY) == b"handoff-n"
+    assert store.handed[-1] == (KEY, "handoff-n", b"message-n")  # type: ignore[attr-defined]
+    # A call that only tries (no message: it never parks) is refused meanwhile.
+    assert not park(store, "t", "handoff-t", msg=b"").result.acquired

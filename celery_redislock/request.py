@@ -131,7 +131,7 @@ class SingletonRequest(Request):
             # Given back before REVOKED is stored (Celery sends task_revoked
             # after): a call made once the result says REVOKED is published,
             # not joined to this run. The signal's give-back is then skipped.
-            context = self._context
+            context = self._context  # type: ignore[attr-defined]
             release_revoked_queued_lock(sender=self.task, request=context)
             context.redislock_given_back = True
         super()._announce_revoked(reason, terminated, signum, expired)  # type: ignore[misc]

@@ -7,7 +7,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from celery_redislock import park_scripts, scripts
+from celery_redislock import scripts, slot_scripts
 from celery_redislock.exceptions import LockBackendError
 from celery_redislock.keys import fence_key, handoff_keys, release_channel, slot_keys
 from celery_redislock.outcomes import ReleaseOutcome
@@ -199,8 +199,8 @@ class LockRelease(StoreConnections):
 
         def make(endpoint: Endpoint) -> Callable[[Any], Any]:
             encoding = endpoint.encoding
-            first = park_scripts.RELEASE_SLOTS.exchange(keys, args, encoding)
-            again = park_scripts.RELEASE_SLOTS.exchange(keys, (*args, "1"), encoding)
+            first = slot_scripts.RELEASE_SLOTS.exchange(keys, args, encoding)
+            again = slot_scripts.RELEASE_SLOTS.exchange(keys, (*args, "1"), encoding)
             return lambda connection: _attempt(
                 attempts, connection, lambda retry: again if retry else first
             )

@@ -8,7 +8,7 @@ from typing import Any
 
 from redis.exceptions import ConnectionError, TimeoutError
 
-from celery_redislock import park_scripts, scripts
+from celery_redislock import scripts, slot_scripts
 from celery_redislock._clock import clock
 from celery_redislock.keys import release_channel, slot_keys
 from celery_redislock.outcomes import AcquireResult, held_by, release_wait
@@ -105,12 +105,12 @@ class LockSlotsAndWaits(LockAcquire):
             return topology.run_for_key(
                 key,
                 lambda endpoint: _then_wait(
-                    endpoint, keys, args, min_replicas, timeout_ms, park_scripts.ACQUIRE_SLOT
+                    endpoint, keys, args, min_replicas, timeout_ms, slot_scripts.ACQUIRE_SLOT
                 ),
             )
         reply = topology.run_for_key(
             key,
-            lambda endpoint: park_scripts.ACQUIRE_SLOT.exchange(keys, args, endpoint.encoding),
+            lambda endpoint: slot_scripts.ACQUIRE_SLOT.exchange(keys, args, endpoint.encoding),
         )
         return reply, None
 

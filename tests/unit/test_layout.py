@@ -34,6 +34,7 @@ LOWER_LAYERS = {
     "celery_redislock.keys",
     "celery_redislock.outcomes",
     "celery_redislock.park_scripts",
+    "celery_redislock.slot_scripts",
     "celery_redislock.pending",
     "celery_redislock.pending_scripts",
     "celery_redislock.debounce_scripts",

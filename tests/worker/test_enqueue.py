@@ -178,6 +178,38 @@ def test_expired_before_start_frees_the_key(
         assert job.delay(1).get(timeout=20) == 1
 
 
+@pytest.mark.parametrize("enqueue", [True, "until_start"])
+def test_a_call_made_after_a_revoke_of_a_queued_call_is_published_at_once(
+    app_factory: Any, record: redis.Redis, enqueue: Any
+) -> None:
+    # The revoked message still waits in the queue (acks_late + prefetch 1,
+    # the blocker runs): no worker holds it to give its key back yet.
+    app = app_factory(worker_prefetch_multiplier=1)
+
+    @app.task(base=SingletonTask, shared=False, lock_enabled=False, acks_late=True)
+    def blocker() -> None:
+        wait_until(lambda: record.get("go"), timeout=30)
+
+    @app.task(base=SingletonTask, shared=False, lock_enqueue=enqueue)
+    def job(n: int) -> int:
+        record.incr("runs")
+        return n
+
+    with embedded_worker(app, "threads", 1):
+        busy = blocker.delay()
+        first = job.delay(1)
+        assert job.delay(1).id == first.id
+        assert app.control.revoke(first.id, reply=True, timeout=5)  # the worker knows
+        second = job.delay(1)
+        assert second.id != first.id  # published, not joined to the revoked call
+        assert job.delay(1).id == second.id  # and the next calls join it
+        record.set("go", 1)
+        busy.get(timeout=20)
+        assert second.get(timeout=20) == 1
+        wait_until(lambda: first.state == "REVOKED", timeout=20, message="REVOKED stored")
+    assert record.get("runs") == "1"
+
+
 @pytest.mark.skipif(RABBITMQ, reason="RabbitMQ drops an expired message itself")
 @pytest.mark.parametrize("enqueue", [True, "until_start"])
 def test_an_expired_call_frees_its_key_before_revoked_is_stored(

@@ -13,17 +13,15 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Sequence
-from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any
 
 from celery.utils import uuid
 
 from celery_redislock.brokers import whole_second_delays, whole_seconds
 from celery_redislock.exceptions import AlreadyQueued, LockBackendError
-from celery_redislock.handoff import app_pending, keep_revocable, pack_signature
+from celery_redislock.handoff import app_pending, keep_revocable, stored_message
 from celery_redislock.headers import (
     DEBOUNCE_HEADER,
-    HANDOFF_HEADER,
     QUEUED_TOKEN_HEADER,
     UNSETTLED_HEADER,
     as_received,
@@ -131,25 +129,20 @@ def publish_once(
         # round trip that grants it the lock, so a later call publishes the
         # next run instead of joining one that may have read stale data.
         key = queued_key(lock_key)
-    try:
+
+    def take(adopt: str = "") -> AcquireResult:
         if settings.coalesce:
-            result = _queue_run(
-                task,
-                settings,
-                lock_key,
-                task_id,
-                token,
-                ttl,
-                delay,
-                args,
-                kwargs,
-                {
-                    **options,
-                    "headers": headers,
-                },
-            )
-        else:
-            result = _producer_store(settings).acquire(key, token, max(int(ttl * 1000), 1))
+            queue_options = {**options, "headers": headers}
+            run = (task, settings, lock_key, task_id, token, ttl, delay, args, kwargs)
+            return _queue_run(*run, queue_options, adopt)
+        adopting = (adopt,) if adopt else ()
+        return _producer_store(settings).acquire(key, token, max(int(ttl * 1000), 1), adopting)
+
+    try:
+        result = take()
+        revoked = "" if result.acquired else _revoked_holder(task, settings, result)
+        if revoked:  # a run revoked while its message waits in a queue: its key is ours
+            result = take(revoked)
     except LockBackendError as exc:
         # Never drop the task: publish it. The acquire may have run after
         # all (a late reply), so the message lists its token as one to
@@ -228,70 +221,6 @@ def _withdraw_run(
     return runs
 
 
-def stored_message(
-    task: LockedTask,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    task_id: str,
-    options: dict[str, Any],
-    headers: dict[str, Any],
-) -> tuple[str, bytes]:
-    """The hand-off value of a new call, and its message as the lock store keeps it.
-
-    A worker's sweep publishes the message if the call has not started a
-    while after it was due (its worker died holding it): same task id,
-    arguments and routing, no countdown (it is overdue), an ``expires`` in
-    seconds made absolute (a copy expires when the call does), the call's
-    hand-off value in its headers (which copy ran is marked by it), and
-    ``retries`` set, so that publishing it never goes through enqueue-time
-    dedup again. Options that are objects of this process (a producer, a
-    connection) are not kept; a kombu ``Queue`` or ``Exchange`` is kept by
-    name.
-    """
-    handoff = LockValue.parked(task_id, 0, task.name).encode()
-    kept: dict[str, Any] = {}
-    for name in _KEPT:
-        value = options.get(name)
-        if value is None:
-            continue
-        if name in ("queue", "exchange") and not isinstance(value, str):
-            value = getattr(value, "name", None)
-        elif name == "expires" and isinstance(value, (int, float)):
-            value = (datetime.now(timezone.utc) + timedelta(seconds=value)).isoformat()
-        elif isinstance(value, datetime):
-            value = value.isoformat()
-        if value is not None:
-            kept[name] = value
-    signature = task.signature(
-        args,
-        kwargs,
-        task_id=task_id,
-        retries=0,
-        headers={**headers, HANDOFF_HEADER: handoff},
-        **kept,
-    )
-    return handoff, pack_signature(signature, options.get("serializer") or task.serializer)
-
-
-#: The options a stored message keeps: its routing and its limits.
-_KEPT = (
-    "queue",
-    "routing_key",
-    "exchange",
-    "exchange_type",
-    "priority",
-    "expires",
-    "time_limit",
-    "soft_time_limit",
-    "serializer",
-    "compression",
-    "shadow",
-    "ignore_result",
-    "root_id",
-    "parent_id",
-)
-
-
 def _grace(settings: TaskSettings) -> float:
     """Seconds a sweep waits past a run's due time before it publishes a copy.
 
@@ -312,6 +241,7 @@ def _queue_run(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     options: dict[str, Any],
+    adopt: str = "",
 ) -> AcquireResult:
     """Take ``key``'s queued key for a coalesced run and keep its message (one round trip)."""
     handoff, message = stored_message(task, args, kwargs, task_id, options, options["headers"])
@@ -326,8 +256,28 @@ def _queue_run(
         int((delay + grace) * 1000),
         task_id,
         int(grace * 1000),
+        adopt,
     )
     return AcquireResult(queued, holder, remaining)
+
+
+def _revoked_holder(task: LockedTask, settings: TaskSettings, result: AcquireResult) -> str:
+    """The holder's value if it is a call revoked while its message waits in a queue, else ''.
+
+    No worker holds that message to give its key back before it reaches
+    one (maybe long after); the workers mark the call revoked instead
+    (``revoked.py``), and this call takes the key over. Read only when the
+    key is taken by a queued call: one ``GET`` more for a duplicate.
+    """
+    holder = result.holder_value
+    if holder is None or not holder.is_queued or not holder.owner.task_id:
+        return ""
+    pending = app_pending(task.app, _producer_store(settings), settings.app.key_prefix)
+    try:
+        revoked = pending.was_revoked(holder.owner.task_id)
+    except LockBackendError:
+        return ""  # not known: join it, as before a revoke
+    return (result.holder or "") if revoked else ""
 
 
 def _publish_debounced(

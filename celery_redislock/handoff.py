@@ -28,6 +28,7 @@ import json
 import logging
 import weakref
 from collections.abc import Callable
+from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kombu.serialization import dumps as kombu_dumps
@@ -36,9 +37,9 @@ from kombu.serialization import registry  # type: ignore[attr-defined]
 
 from celery_redislock.brokers import delays_wait_in_the_broker
 from celery_redislock.exceptions import LockBackendError
-from celery_redislock.headers import HANDOFF_COPY_HEADER
+from celery_redislock.headers import HANDOFF_COPY_HEADER, HANDOFF_HEADER
 from celery_redislock.pending import PendingIndex, RevocableCall
-from celery_redislock.tokens import new_nonce
+from celery_redislock.tokens import LockValue, new_nonce
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -56,6 +57,7 @@ __all__ = [
     "pack_signature",
     "publish_copy",
     "publisher",
+    "stored_message",
     "unpack_message",
 ]
 
@@ -223,3 +225,77 @@ def publisher(app: Celery) -> Callable[[str, str, bytes], None]:
         )
 
     return publish
+
+
+class _SignableTask(Protocol):
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def serializer(self) -> str | None: ...
+
+    def signature(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+def stored_message(
+    task: _SignableTask,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    task_id: str,
+    options: dict[str, Any],
+    headers: dict[str, Any],
+) -> tuple[str, bytes]:
+    """The hand-off value of a new call, and its message as the lock store keeps it.
+
+    A worker's sweep publishes the message if the call has not started a
+    while after it was due (its worker died holding it): same task id,
+    arguments and routing, no countdown (it is overdue), an ``expires`` in
+    seconds made absolute (a copy expires when the call does), the call's
+    hand-off value in its headers (which copy ran is marked by it), and
+    ``retries`` set, so that publishing it never goes through enqueue-time
+    dedup again. Options that are objects of this process (a producer, a
+    connection) are not kept; a kombu ``Queue`` or ``Exchange`` is kept by
+    name.
+    """
+    handoff = LockValue.parked(task_id, 0, task.name).encode()
+    kept: dict[str, Any] = {}
+    for name in _KEPT:
+        value = options.get(name)
+        if value is None:
+            continue
+        if name in ("queue", "exchange") and not isinstance(value, str):
+            value = getattr(value, "name", None)
+        elif name == "expires" and isinstance(value, (int, float)):
+            value = (datetime.now(timezone.utc) + timedelta(seconds=value)).isoformat()
+        elif isinstance(value, datetime):
+            value = value.isoformat()
+        if value is not None:
+            kept[name] = value
+    signature = task.signature(
+        args,
+        kwargs,
+        task_id=task_id,
+        retries=0,
+        headers={**headers, HANDOFF_HEADER: handoff},
+        **kept,
+    )
+    return handoff, pack_signature(signature, options.get("serializer") or task.serializer)
+
+
+#: The options a stored message keeps: its routing and its limits.
+_KEPT = (
+    "queue",
+    "routing_key",
+    "exchange",
+    "exchange_type",
+    "priority",
+    "expires",
+    "time_limit",
+    "soft_time_limit",
+    "serializer",
+    "compression",
+    "shadow",
+    "ignore_result",
+    "root_id",
+    "parent_id",
+)

@@ -376,9 +376,9 @@ def pending_keys(prefix: str, app: str) -> tuple[str, str]:
     return f"{stem}index", f"{stem}outbox"
 
 
-def revocable_key(prefix: str, app: str, task_id: str) -> str:
-    """The record of call ``task_id`` whose countdown waits in the broker (see ``revoked.py``)."""
-    return f"{_pending_stem(prefix, app)}{task_id}:revocable"
+def revocable_key(prefix: str, app: str, task_id: str, kind: str = "revocable") -> str:
+    """Call ``task_id``'s record (its countdown waits in the broker) or ``revoked`` mark."""
+    return f"{_pending_stem(prefix, app)}{task_id}:{kind}"
 
 
 def _pending_stem(prefix: str, app: str) -> str:

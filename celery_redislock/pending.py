@@ -209,6 +209,17 @@ class PendingIndex:
         """Delete the record of ``task_id`` (its keys were given back)."""
         self.store.delete_record(revocable_key(self.prefix, self.app, task_id))
 
+    def mark_revoked(self, task_id: str, ttl_ms: int) -> None:
+        """Say for ``ttl_ms`` that ``task_id`` was revoked while its message waits in a queue."""
+        self.store.keep_record(
+            revocable_key(self.prefix, self.app, task_id, "revoked"), "1", ttl_ms
+        )
+
+    def was_revoked(self, task_id: str) -> bool:
+        """Whether :meth:`mark_revoked` said so of ``task_id`` (one ``GET``)."""
+        key = revocable_key(self.prefix, self.app, task_id, "revoked")
+        return self.store.read_record(key) is not None
+
     def touch_call(self, member: str, delay_ms: int) -> ScriptCall:
         """The script call that asks a sweep to look at ``member`` in ``delay_ms`` at the latest.
 
@@ -296,6 +307,7 @@ class PendingIndex:
         due_ms: int,
         task_id: str,
         grace_ms: int,
+        adopt: str = "",
     ) -> tuple[bool, str | None, float | None]:
         """Queue ``key``'s coalesced run at enqueue time, keeping its message (one round trip).
 
@@ -303,6 +315,7 @@ class PendingIndex:
         asks the sweep to publish ``message`` if the run has not started
         ``due_ms`` from now (again ``grace_ms`` later, doubling, a few
         times). On the commands' connections of ``store`` (a producer's).
+        A key holding ``adopt`` (a revoked run's token) is taken over.
 
         Returns:
             ``(queued, holder's token, holder's remaining TTL in s)``; the
@@ -314,7 +327,16 @@ class PendingIndex:
         call = (
             QUEUE_RUN,
             (queued_key(key), next_run_key(key)),
-            (token, ttl_ms, handoff, message, max(int(due_ms), 0), task_id, max(grace_ms, 1)),
+            (
+                token,
+                ttl_ms,
+                handoff,
+                message,
+                max(int(due_ms), 0),
+                task_id,
+                max(grace_ms, 1),
+                adopt,
+            ),
         )
         touch = self.touch_call(Member.queued(key, task_id), due_ms)
         try:

@@ -360,13 +360,14 @@ OUTBOX_TAKE = Script(OUTBOX_TAKE_SCRIPT)
 # ARGV[5] - in how many ms a sweep may publish a copy if it has not started
 # ARGV[6] - the run's task id
 # ARGV[7] - ms between the copies a sweep publishes while it has not started
+# ARGV[8] - a queued token to take over (a run revoked in the queue), or ''
 # returns {1} when queued (also when the key already holds ARGV[1]: a retry
 #         after a lost reply); {0, holder value, holder PTTL in ms} when
 #         another run is queued
 QUEUE_RUN_SCRIPT = (
     """
 local current = redis.call('GET', KEYS[1])
-if current and current ~= ARGV[1] then
+if current and current ~= ARGV[1] and current ~= ARGV[8] then
     return {0, current, redis.call('PTTL', KEYS[1])}
 end
 """

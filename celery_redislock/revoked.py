@@ -21,6 +21,7 @@ Runs in the worker's main process, never in a pool child.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections.abc import Callable, Iterable, Sequence
@@ -183,14 +184,33 @@ def _give_back_revoked(app: Any, task_ids: Sequence[str]) -> None:
                 release_revoked_queued_lock(sender=request.task, request=request._context)
         if not held:
             in_the_broker.append(task_id)
-    if in_the_broker and app is not None and uses_redislock(app) and delays_wait_in_the_broker(app):
-        for task_id in in_the_broker:
-            try:
+    if not in_the_broker or app is None or not uses_redislock(app):
+        return
+    recorded = delays_wait_in_the_broker(app)
+    settings = app_settings(app)
+    index = app_pending(app, settings.enqueue_backend or settings.backend, settings.key_prefix)
+    mark_ms = _longest_enqueue_ttl_ms(app)
+    for task_id in in_the_broker:
+        try:
+            # No worker holds the message yet: a call that finds the key
+            # held by this one takes it over (enqueue.py) instead of joining.
+            index.mark_revoked(task_id, mark_ms)
+            if recorded:
                 _give_back_recorded(app, task_id)
-            except LockBackendError as exc:
-                # This runs in the consumer: one bounded failure, not one per id.
-                logger.warning("could not free the keys of revoked %s: %s", in_the_broker, exc)
-                return
+        except LockBackendError as exc:
+            # This runs in the consumer: one bounded failure, not one per id.
+            logger.warning("could not free the keys of revoked %s: %s", in_the_broker, exc)
+            return
+
+
+def _longest_enqueue_ttl_ms(app: Any) -> int:
+    """How long an enqueue-time key of the app's tasks may live without a countdown."""
+    longest = app_settings(app).enqueue_ttl
+    for task in list(app.tasks.values()):
+        if isinstance(task, SingletonTaskMixin):
+            with contextlib.suppress(Exception):  # a misconfigured task fails where it runs
+                longest = max(longest, task.lock_settings().enqueue_ttl)
+    return max(int(longest * 1000), 1)
 
 
 def _give_back_recorded(app: Any, task_id: str) -> None:

@@ -39,6 +39,20 @@ def queued(app: Celery) -> int:
     return queue_length(app)
 
 
+def app_with_a_blocker(app_factory: Any, record: redis.Redis) -> tuple[Celery, Any]:
+    """An app whose ``blocker`` task keeps a worker of prefetch 1 busy until ``go`` is set.
+
+    acks_late + prefetch 1: the worker fetches nothing more while it runs.
+    """
+    app = app_factory(worker_prefetch_multiplier=1)
+
+    @app.task(base=SingletonTask, shared=False, lock_enabled=False, acks_late=True)
+    def blocker() -> None:
+        wait_until(lambda: record.get("go"), timeout=30)
+
+    return app, blocker
+
+
 def test_three_concurrent_delays_publish_once_and_share_one_id(
     app: Celery, server: RedisServer, record: redis.Redis, lock_client: redis.Redis
 ) -> None:
@@ -117,45 +131,10 @@ def test_publish_failure_leaves_no_lock(
     assert lock_client.exists(job.lock_key_for((1,), {})) == 0
 
 
-def test_revoked_before_start_frees_the_key(
-    app_factory: Any, record: redis.Redis, lock_client: redis.Redis
-) -> None:
-    # acks_late + prefetch 1: the worker cannot fetch the job while the
-    # blocker runs, so the job is still in the queue when it is revoked.
-    app = app_factory(worker_prefetch_multiplier=1)
-
-    @app.task(base=SingletonTask, shared=False, lock_enabled=False, acks_late=True)
-    def blocker() -> None:
-        wait_until(lambda: record.get("go"), timeout=30)
-
-    @app.task(base=SingletonTask, shared=False, lock_enqueue=True)
-    def job(n: int) -> int:
-        record.incr("runs")
-        return n
-
-    with embedded_worker(app, "threads", 1):
-        busy = blocker.delay()
-        first = job.delay(1)
-        key = job.lock_key_for((1,), {})
-        assert job.delay(1).id == first.id
-        assert app.control.revoke(first.id, reply=True, timeout=5)  # the worker has it
-        record.set("go", 1)
-        busy.get(timeout=20)
-        wait_until(lambda: lock_client.exists(key) == 0, timeout=20, message="revoked task's key")
-        second = job.delay(1)
-        assert second.id != first.id
-        assert second.get(timeout=20) == 1
-    assert record.get("runs") == "1"
-
-
 def test_expired_before_start_frees_the_key(
     app_factory: Any, record: redis.Redis, lock_client: redis.Redis
 ) -> None:
-    app = app_factory(worker_prefetch_multiplier=1)
-
-    @app.task(base=SingletonTask, shared=False, lock_enabled=False, acks_late=True)
-    def blocker() -> None:
-        wait_until(lambda: record.get("go"), timeout=30)
+    app, blocker = app_with_a_blocker(app_factory, record)
 
     @app.task(base=SingletonTask, shared=False, lock_enqueue=True)
     def job(n: int) -> int:
@@ -182,15 +161,11 @@ def test_expired_before_start_frees_the_key(
 
 @pytest.mark.parametrize("enqueue", [True, "until_start"])
 def test_a_call_made_after_a_revoke_of_a_queued_call_is_published_at_once(
-    app_factory: Any, record: redis.Redis, enqueue: Any
+    app_factory: Any, record: redis.Redis, lock_client: redis.Redis, enqueue: Any
 ) -> None:
     # The revoked message still waits in the queue (acks_late + prefetch 1,
     # the blocker runs): no worker holds it to give its key back yet.
-    app = app_factory(worker_prefetch_multiplier=1)
-
-    @app.task(base=SingletonTask, shared=False, lock_enabled=False, acks_late=True)
-    def blocker() -> None:
-        wait_until(lambda: record.get("go"), timeout=30)
+    app, blocker = app_with_a_blocker(app_factory, record)
 
     @app.task(base=SingletonTask, shared=False, lock_enqueue=enqueue)
     def job(n: int) -> int:
@@ -209,6 +184,8 @@ def test_a_call_made_after_a_revoke_of_a_queued_call_is_published_at_once(
         busy.get(timeout=20)
         assert second.get(timeout=20) == 1
         wait_until(lambda: first.state == "REVOKED", timeout=20, message="REVOKED stored")
+        key = job.lock_key_for((1,), {})
+        wait_until(lambda: lock_client.exists(key, queued_key(key)) == 0, timeout=10)
     assert record.get("runs") == "1"
 
 
@@ -223,11 +200,7 @@ def test_an_expired_call_frees_its_key_before_revoked_is_stored(
 ) -> None:
     # A call made once the result says REVOKED must be published, never
     # joined to the run that will not happen.
-    app = app_factory(worker_prefetch_multiplier=1)
-
-    @app.task(base=SingletonTask, shared=False, lock_enabled=False, acks_late=True)
-    def blocker() -> None:
-        wait_until(lambda: record.get("go"), timeout=30)
+    app, blocker = app_with_a_blocker(app_factory, record)
 
     @app.task(base=SingletonTask, shared=False, lock_enqueue=enqueue)
     def job(n: int) -> int:

@@ -127,14 +127,17 @@ class SingletonRequest(Request):
         if self._redislock_defer_revoked:
             self._redislock_defer_revoked = False
             return
-        if not terminated:
-            # Given back before REVOKED is stored (Celery sends task_revoked
-            # after): a call made once the result says REVOKED is published,
-            # not joined to this run. The signal's give-back is then skipped.
-            context = self._context  # type: ignore[attr-defined]
-            release_revoked_queued_lock(sender=self.task, request=context)
-            context.redislock_given_back = True
-        super()._announce_revoked(reason, terminated, signum, expired)  # type: ignore[misc]
+        try:
+            if not terminated:
+                # Given back before REVOKED is stored (Celery sends task_revoked
+                # after): a call made once the result says REVOKED is published,
+                # not joined to this run. The signal's give-back is then skipped
+                # (not if an interruption cut this one short).
+                context = self._context  # type: ignore[attr-defined]
+                release_revoked_queued_lock(sender=self.task, request=context)
+                context.redislock_given_back = True
+        finally:
+            super()._announce_revoked(reason, terminated, signum, expired)  # type: ignore[misc]
 
     def cancel(self, pool: Any, signal: Any = None, emit_retry: bool = True) -> None:
         """Cold shutdown: release once the signalled child has exited."""

@@ -16,6 +16,7 @@ from celery_redislock._clock import clock
 from celery_redislock._process import current_pid
 from celery_redislock.exceptions import LockBackendError, LockNotOwned
 from celery_redislock.outcomes import ReleaseOutcome, RenewOutcome
+from celery_redislock.protocol import RELEASE_RETRIED
 from celery_redislock.settings import validate_ttl
 
 __all__ = [
@@ -201,8 +202,9 @@ class Lease:
 
         A loss the renewer had not seen yet (it renews at a third of the
         TTL) is reported here, as the renewer would have: the ERROR log,
-        ``lock_lost``, ``on_lock_lost``. Not after a release sent again
-        (``resent``): another holder may then follow our own first release.
+        ``lock_lost``, ``on_lock_lost``. Not after a release sent again, by
+        the caller (``resent``) or the store (a lost reply,
+        ``RELEASE_RETRIED``): another holder may then follow our own release.
         """
         self._release_done = True
         name, args = self._named()
@@ -217,7 +219,8 @@ class Lease:
             logger.warning(
                 f"{name} had already expired at release (held %.3fs)", *args, self.held_for
             )
-        if outcome is not ReleaseOutcome.RELEASED and not (self.lost or resent):
+        ambiguous = resent or RELEASE_RETRIED.get()
+        if outcome is not ReleaseOutcome.RELEASED and not (self.lost or ambiguous):
             # The abort callback (lock_on_lost="abort") is a no-op by now:
             # the execution finished before the release was sent.
             self.lost_reason = "stolen" if outcome is ReleaseOutcome.NOT_OURS else "gone"

@@ -15,6 +15,7 @@ every key with the script.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import inspect
 import logging
@@ -30,6 +31,7 @@ from celery_redislock.tokens import without_mark
 logger = logging.getLogger("celery_redislock.backend")
 
 __all__ = [
+    "RELEASE_RETRIED",
     "RENEW_CHUNK_SIZE",
     "TAKE_OVER",
     "ReleaseAttempts",
@@ -94,6 +96,16 @@ def after_set_nx_get(reply: Any, own: Sequence[str], encoding: str) -> Any:
     return [0, reply, None]
 
 
+#: Whether the last release read in this context (thread, asyncio task) was
+#: sent again after a lost reply: its "not ours" may then follow our own
+#: release, so the holder does not report it as a loss. Set by
+#: :meth:`ReleaseAttempts.outcome`; a side channel, so that the stores'
+#: ``release`` keeps returning a plain :class:`~.outcomes.ReleaseOutcome`.
+RELEASE_RETRIED: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "redislock_release_retried", default=False
+)
+
+
 class ReleaseAttempts:
     """One release's attempts: which script each runs, and what its reply means.
 
@@ -114,6 +126,7 @@ class ReleaseAttempts:
     __slots__ = ("_before", "key", "retried", "unanswered")
 
     def __init__(self, key: str, resent: bool = False) -> None:
+        RELEASE_RETRIED.set(False)
         self.key = key
         self.unanswered = resent
         self.retried = False
@@ -136,6 +149,7 @@ class ReleaseAttempts:
 
     def outcome(self, reply: Any) -> Any:
         """The release's reply: 1 (or a slot number), 0, -1 or ``[1, value, message]``."""
+        RELEASE_RETRIED.set(self.retried)
         return after_retry(self.key, reply) if self.retried else reply
 
 

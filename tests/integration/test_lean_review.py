@@ -377,3 +377,40 @@ def test_a_slot_release_retried_after_a_lost_reply_publishes_the_hand_over(
         assert handed == [(KEY, "handoff-1", b"message-1")]
     finally:
         store.close()
+
+
+def test_a_release_whose_reply_was_lost_does_not_report_the_next_holder_as_a_theft(
+    proxy: FaultProxy, lock_client: redis.Redis
+) -> None:
+    """The retry finds the next holder: maybe after our own release (review helper-33 F1)."""
+    from celery_redislock import lock_lost
+
+    losses: list[str] = []
+
+    def on_lost(sender: Any = None, reason: str = "", **_: Any) -> None:
+        losses.append(reason)
+
+    lock_lost.connect(on_lost, weak=False)
+    store = LockStore(f"{proxy.url}/{LOCK_DB}", {"socket_timeout": 1.0})
+    try:
+        assert store.release(KEY + "warm", "x") is ReleaseOutcome.ALREADY_GONE
+        lock = RedisLock(lock_client, KEY, ttl=30, store=store)
+        assert lock.acquire()
+        handle = lock.handle
+        taken = threading.Event()
+
+        def next_holder() -> None:
+            wait_until(lambda: not lock_client.exists(KEY), timeout=5, interval=0.002)
+            lock_client.set(KEY, HOLDER, px=30_000)
+            taken.set()
+
+        thread = threading.Thread(target=next_holder)
+        thread.start()
+        proxy.lose_replies = 1
+        assert lock.release() is ReleaseOutcome.NOT_OURS
+        thread.join(5)
+        assert taken.is_set() and lock_client.get(KEY) == HOLDER.encode()
+        assert losses == [] and handle is not None and not handle.lost
+    finally:
+        lock_lost.disconnect(on_lost)
+        store.close()

@@ -151,7 +151,8 @@ def test_one_renewal_round_trip_per_tick_for_all_slots_and_a_lost_slot_reported_
     lost: list[dict[str, Any]] = []
 
     def on_lost(sender: Any = None, **kwargs: Any) -> None:
-        lost.append(kwargs)
+        if kwargs.get("task_id"):  # not a standalone lock another test dropped
+            lost.append(kwargs)
 
     @app.task(base=SingletonTask, shared=False, lock_args=(), lock_limit=3, lock_ttl=0.6)
     def hold(n: int) -> int:

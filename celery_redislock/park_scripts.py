@@ -72,7 +72,8 @@ _KEEP_PARKED = """
 #         an earlier parked call waits (its holder died): the slot is handed
 #         to that one (the caller publishes its message) and this call is
 #         parked behind it, so calls run in the order they parked, whichever
-#         copy finds the key free first.
+#         copy finds the key free first; a new call that only tries gets
+#         {0, that call's hand-off value, the hold in ms, 0} instead.
 PARK_SCRIPT = (
     """
 local n = #KEYS - 6
@@ -149,7 +150,10 @@ if not slot and (same_task or not free) then
     return {0, redis.call('GET', KEYS[blocker]), redis.call('PTTL', KEYS[blocker]), parked}
 end
 local was_waiting = ARGV[4] ~= '' and redis.call('HEXISTS', parked_hash, ARGV[4]) == 1
-if not slot and (was_waiting or (ARGV[4] ~= '' and ARGV[6] ~= '')) then
+-- Parked, out of the queue: handed a slot once, and the hold expired before
+-- any copy ran (the woken message died). It was first in line: it goes.
+local first_in_line = was_waiting and not redis.call('LPOS', waiters, ARGV[4])
+if not slot and ARGV[4] ~= '' and not first_in_line then
     -- A copy of a parked call found a slot free (a safety net firing, a
     -- sweep's copy), or a new call did (the holder died with calls parked
     -- behind it, before a sweep handed on): the call that parked first
@@ -165,6 +169,11 @@ if not slot and (was_waiting or (ARGV[4] ~= '' and ARGV[6] ~= '')) then
             head = waiter
             break
         end
+    end
+    if head and not was_waiting and ARGV[6] == '' then
+        -- Only trying (a first acquire, no message yet): refused as behind a
+        -- holder; its park, with its message, hands the slot on.
+        return {0, head, tonumber(ARGV[10]), 0}
     end
     if head then
         redis.call('LREM', waiters, 1, head)

@@ -218,6 +218,11 @@ def test_a_new_call_meeting_a_dead_holders_free_key_queues_behind_the_parked_one
     assert store.acquire(KEY, "dead-holder", TTL).acquired
     assert park(store, "a", "handoff-a", msg=b"message-a").parked
     lock_client.delete(KEY)  # the dead holder's TTL ran out; no release handed on
+    # Its first try (no message yet: a task's first acquire) is refused...
+    first_try = park(store, "n", "handoff-n", msg=b"")
+    assert not first_try.result.acquired and not first_try.parked
+    assert first_try.result.holder == "handoff-a" and lock_client.exists(KEY) == 0
+    # ...and its park hands the key to the first parked call.
     newcomer = park(store, "n", "handoff-n", msg=b"message-n")
     assert newcomer.parked and not newcomer.result.acquired
     assert held(lock_client, KEY) == b"handoff-a"  # handed to the first parked call
@@ -231,3 +236,18 @@ def test_a_new_call_meeting_a_dead_holders_free_key_queues_behind_the_parked_one
     assert store.handed[-1] == (KEY, "handoff-n", b"message-n")  # type: ignore[attr-defined]
     # A call that only tries (no message: it never parks) is refused meanwhile.
     assert not park(store, "t", "handoff-t", msg=b"").result.acquired
+
+
+def test_a_call_whose_handed_lock_expired_unused_goes_before_later_parked_calls(
+    store: LockStore, lock_client: redis.Redis
+) -> None:
+    assert store.acquire(KEY, "holder", TTL).acquired
+    assert park(store, "x", "handoff-x", msg=b"message-x").parked
+    assert park(store, "y", "handoff-y", msg=b"message-y").parked
+    store.release(KEY, "holder")
+    assert held(lock_client, KEY) == b"handoff-x"
+    lock_client.delete(KEY)  # x's hold ran out before its woken message came
+    woken = park(store, "x-woken", "handoff-x", copy="w:1", msg=b"")
+    assert woken.result.acquired  # x was first in line: not handed on to y
+    store.release(KEY, "x-woken")
+    assert held(lock_client, KEY) == b"handoff-y"

@@ -163,6 +163,29 @@ def test_a_parked_call_runs_when_its_holder_and_safety_net_die_with_one_worker(
         _runs_once(workers, "sweep-parked", waiter.id)
 
 
+def test_a_new_call_after_a_dead_holders_ttl_runs_after_the_call_parked_before_it(
+    workers: Cluster,
+) -> None:
+    """The key freed by the TTL, before a sweep (10 s apart here) handed it on (helper-33 F2)."""
+    conf = {"redislock_sweep_interval": 10}
+    wa = _first_worker(workers, conf, concurrency=2)
+    holder = workers.send("parked", "sweep-order", 60)
+    key = workers.started(holder.id)["key"]
+    waiter = workers.send("parked", "sweep-order", 0)
+    wait_until(
+        lambda: workers.locks.llen(handoff_keys(key)[0]) == 1, timeout=20, message="it parked"
+    )
+    workers.worker(ttl=TTL, name="wb", conf=conf)
+    wa.kill_group()
+    wait_until(lambda: not workers.locks.exists(key), timeout=TTL + 10, message="the TTL")
+    newcomer = workers.send("parked", "sweep-order", 0)
+    assert newcomer.get(timeout=60) == newcomer.id
+    assert waiter.get(timeout=60) == waiter.id
+    (parked_first,) = _starts(workers, "sweep-order", waiter.id)
+    (came_later,) = _starts(workers, "sweep-order", newcomer.id)
+    assert parked_first < came_later
+
+
 @pytest.mark.parametrize("conf", VARIANTS)
 def test_a_coalesced_run_reserved_by_a_dead_worker_runs(
     workers: Cluster, conf: dict[str, Any]

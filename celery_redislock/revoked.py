@@ -189,7 +189,7 @@ def _give_back_revoked(app: Any, task_ids: Sequence[str]) -> None:
     recorded = delays_wait_in_the_broker(app)
     settings = app_settings(app)
     index = app_pending(app, settings.enqueue_backend or settings.backend, settings.key_prefix)
-    mark_ms = _longest_enqueue_ttl_ms(app)
+    mark_ms = _mark_ttl_ms(app)
     for task_id in in_the_broker:
         try:
             # No worker holds the message yet: a call that finds the key
@@ -203,9 +203,15 @@ def _give_back_revoked(app: Any, task_ids: Sequence[str]) -> None:
             return
 
 
-def _longest_enqueue_ttl_ms(app: Any) -> int:
-    """How long an enqueue-time key of the app's tasks may live without a countdown."""
-    longest = app_settings(app).enqueue_ttl
+def _mark_ttl_ms(app: Any) -> int:
+    """How long a revoke's mark lives: as long as Celery remembers a revoke, or longer.
+
+    A worker discards a revoked message for ``REVOKE_EXPIRES`` (3 h), and
+    an enqueue-time key may outlive its enqueue TTL: a run revoked while it
+    runs hands its key to its retry (for the enqueue TTL + the countdown)
+    after Celery discarded that retry (review helper-33 F3).
+    """
+    longest = max(app_settings(app).enqueue_ttl, float(worker_state.REVOKE_EXPIRES))
     for task in list(app.tasks.values()):
         if isinstance(task, SingletonTaskMixin):
             with contextlib.suppress(Exception):  # a misconfigured task fails where it runs

@@ -189,6 +189,48 @@ def test_a_call_made_after_a_revoke_of_a_queued_call_is_published_at_once(
     assert record.get("runs") == "1"
 
 
+def test_a_call_after_a_revoked_run_handed_its_key_to_a_discarded_retry_is_published(
+    app_factory: Any, record: redis.Redis, lock_client: redis.Redis
+) -> None:
+    """Revoked while it runs, it retries; Celery discards the retry (review helper-33 F3).
+
+    The run hands its key to the retry (for the enqueue TTL + the countdown)
+    after the retry was discarded: the mark of the revoke must outlive the
+    enqueue TTL.
+    """
+    app = app_factory(redislock_enqueue_ttl=2)
+
+    @app.task(base=SingletonTask, bind=True, shared=False, lock_enqueue=True)
+    def job(self: Any, n: int) -> int:
+        record.rpush("attempts", self.request.retries)
+        if record.setnx("retried", 1):  # the first call only
+            wait_until(lambda: record.get("revoked"), timeout=20)
+            try:
+                raise self.retry(countdown=30)
+            finally:  # the retry is discarded before this run hands it the key
+                wait_until(lambda: job.AsyncResult(self.request.id).state == "REVOKED")
+        return n
+
+    key = job.lock_key_for((1,), {})
+    with embedded_worker(app, "threads", 2):
+        first = job.delay(1)
+        wait_until(lambda: record.llen("attempts") == 1, timeout=20)
+        assert app.control.revoke(first.id, reply=True, timeout=5)
+        record.set("revoked", 1)
+        # The run handed the key to its retry, for the enqueue TTL + the 30 s
+        # countdown; then wait past the enqueue TTL.
+        wait_until(
+            lambda: b"%3Cqueued%3E" in (lock_client.get(key) or b""),
+            timeout=30,
+            message="the hand-over to the retry",
+        )
+        wait_until(lambda: 0 < lock_client.pttl(key) < 32_000 - 2_500, timeout=10)
+        second = job.delay(1)
+        assert second.id != first.id
+        assert second.get(timeout=20) == 1
+    assert record.lrange("attempts", 0, -1) == ["0", "0"]
+
+
 @pytest.mark.skipif(RABBITMQ, reason="RabbitMQ drops an expired message itself")
 @pytest.mark.parametrize("enqueue", [True, "until_start"])
 def test_an_expired_call_frees_its_key_before_revoked_is_stored(

@@ -8,6 +8,7 @@ modules and the two renewers only do the I/O, blocking or awaited.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,6 +35,9 @@ logger = logging.getLogger("celery_redislock.lock")
 # Redis expiry and our clock can drift apart a little; treat the lock as
 # valid locally for slightly less than Redis does (Redlock's drift rule).
 _DRIFT_FACTOR = 0.01
+#: Taken to claim a loss report: the renewer and the release may both find
+#: the loss at once (rare: one lock for every handle is enough).
+_LOSS_CLAIM = threading.Lock()
 _DRIFT_FLOOR = 0.002
 
 
@@ -167,11 +171,18 @@ class Lease:
         )
 
     def _mark_lost(self, reason: str) -> None:
-        if self.released or self.lost:
+        if self.released or not self._claim_loss(reason):
             return
-        self.lost_reason = reason
         self._stop_renewal()
         report_lost(self, reason, self._on_lost)
+
+    def _claim_loss(self, reason: str) -> bool:
+        """Set the loss's reason unless one was set: True for the one who reports it."""
+        with _LOSS_CLAIM:
+            if self.lost:
+                return False
+            self.lost_reason = reason
+            return True
 
     def _extending(self, ttl: float | None) -> float:
         """Before an extend is sent: check, take the new TTL; return the send time."""
@@ -220,11 +231,11 @@ class Lease:
                 f"{name} had already expired at release (held %.3fs)", *args, self.held_for
             )
         ambiguous = resent or RELEASE_RETRIED.get()
-        if outcome is not ReleaseOutcome.RELEASED and not (self.lost or ambiguous):
+        reason = "stolen" if outcome is ReleaseOutcome.NOT_OURS else "gone"
+        if outcome is not ReleaseOutcome.RELEASED and not ambiguous and self._claim_loss(reason):
             # The abort callback (lock_on_lost="abort") is a no-op by now:
             # the execution finished before the release was sent.
-            self.lost_reason = "stolen" if outcome is ReleaseOutcome.NOT_OURS else "gone"
-            report_lost(self, self.lost_reason, self._on_lost)
+            report_lost(self, reason, self._on_lost)
         signals.lock_released.send(
             sender=self.sender,
             key=self.key,

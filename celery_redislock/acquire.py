@@ -108,8 +108,11 @@ class LockAttempt:
         #: Its first acquire goes through PARK: a copy of a call that parked
         #: (or may have: a lost reply, a redelivery) must learn whether
         #: another copy of the call already ran, and may hold the hand-off.
-        self.parks = self.must_run or uses_handoff(
-            settings.beat_policy if self.from_beat else settings.policy
+        #: So does every call of a task whose calls may park (a beat call
+        #: that skips too): a key freed by a dead holder's TTL with calls
+        #: parked on it is theirs first (review helper-34 C1).
+        self.parks = (
+            self.must_run or uses_handoff(settings.policy) or uses_handoff(settings.beat_policy)
         )
         self.handle: LockHandle | None = None
         #: An acquire was sent and its reply not (yet) read.

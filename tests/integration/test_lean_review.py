@@ -391,7 +391,8 @@ def test_a_release_whose_reply_was_lost_does_not_report_the_next_holder_as_a_the
         losses.append(reason)
 
     lock_lost.connect(on_lost, weak=False)
-    store = LockStore(f"{proxy.url}/{LOCK_DB}", {"socket_timeout": 1.0})
+    # 3 s for the next holder to take the key before the store's retry (a loaded machine).
+    store = LockStore(f"{proxy.url}/{LOCK_DB}", {"socket_timeout": 3.0})
     try:
         assert store.release(KEY + "warm", "x") is ReleaseOutcome.ALREADY_GONE
         lock = RedisLock(lock_client, KEY, ttl=30, store=store)

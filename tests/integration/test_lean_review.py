@@ -232,7 +232,8 @@ def test_a_release_retried_after_a_lost_reply_leaves_the_next_holder_alone(
     attempt ran (the connection may have failed before anything was sent).
     """
     mine = "v1|me|0|h|1|n|job|0"
-    store = LockStore(f"{proxy.url}/{LOCK_DB}", {"socket_timeout": 1.0})
+    # The next holder's time to take the key before the retry: the releases' timeout.
+    store = LockStore(f"{proxy.url}/{LOCK_DB}", renew_timeout=3.0)
     try:
         assert store.release(KEY + "warm", mine) is ReleaseOutcome.ALREADY_GONE
         lock_client.set(KEY, mine, px=30_000)
@@ -391,8 +392,10 @@ def test_a_release_whose_reply_was_lost_does_not_report_the_next_holder_as_a_the
         losses.append(reason)
 
     lock_lost.connect(on_lost, weak=False)
-    # 3 s for the next holder to take the key before the store's retry (a loaded machine).
-    store = LockStore(f"{proxy.url}/{LOCK_DB}", {"socket_timeout": 3.0})
+    # The releases' timeout (the renewal one, 0.5 s by default) is the next
+    # holder's time to take the key before the store's retry: 3 s, for a
+    # loaded machine (0.5 s was missed in CI).
+    store = LockStore(f"{proxy.url}/{LOCK_DB}", renew_timeout=3.0)
     try:
         assert store.release(KEY + "warm", "x") is ReleaseOutcome.ALREADY_GONE
         lock = RedisLock(lock_client, KEY, ttl=30, store=store)

@@ -35,10 +35,10 @@ logger = logging.getLogger("celery_redislock.lock")
 # Redis expiry and our clock can drift apart a little; treat the lock as
 # valid locally for slightly less than Redis does (Redlock's drift rule).
 _DRIFT_FACTOR = 0.01
+_DRIFT_FLOOR = 0.002
 #: Taken to claim a loss report: the renewer and the release may both find
 #: the loss at once (rare: one lock for every handle is enough).
 _LOSS_CLAIM = threading.Lock()
-_DRIFT_FLOOR = 0.002
 
 
 class Lease:

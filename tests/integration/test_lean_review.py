@@ -223,6 +223,24 @@ def test_a_release_sent_again_after_its_reply_was_cut_off_publishes_the_hand_ove
     assert handed == [(KEY, "handoff-1", b"message-1")]
 
 
+@contextlib.contextmanager
+def next_holder_takes(lock_client: redis.Redis) -> Iterator[threading.Event]:
+    """Another holder takes ``KEY`` as soon as it is freed (set once it has)."""
+    taken = threading.Event()
+
+    def next_holder() -> None:
+        wait_until(lambda: not lock_client.exists(KEY), timeout=5, interval=0.002)
+        lock_client.set(KEY, HOLDER, px=30_000)
+        taken.set()
+
+    thread = threading.Thread(target=next_holder)
+    thread.start()
+    try:
+        yield taken
+    finally:
+        thread.join(5)
+
+
 def test_a_release_retried_after_a_lost_reply_leaves_the_next_holder_alone(
     server: RedisServer, proxy: FaultProxy, lock_client: redis.Redis
 ) -> None:
@@ -237,18 +255,9 @@ def test_a_release_retried_after_a_lost_reply_leaves_the_next_holder_alone(
     try:
         assert store.release(KEY + "warm", mine) is ReleaseOutcome.ALREADY_GONE
         lock_client.set(KEY, mine, px=30_000)
-        taken = threading.Event()
-
-        def next_holder() -> None:
-            wait_until(lambda: not lock_client.exists(KEY), timeout=5, interval=0.002)
-            lock_client.set(KEY, HOLDER, px=30_000)
-            taken.set()
-
-        thread = threading.Thread(target=next_holder)
-        thread.start()
-        proxy.lose_replies = 1
-        outcome = store.release(KEY, mine)
-        thread.join(5)
+        with next_holder_takes(lock_client) as taken:
+            proxy.lose_replies = 1
+            outcome = store.release(KEY, mine)
         assert taken.is_set()
         assert outcome is ReleaseOutcome.NOT_OURS
         assert lock_client.get(KEY) == HOLDER.encode()
@@ -401,18 +410,9 @@ def test_a_release_whose_reply_was_lost_does_not_report_the_next_holder_as_a_the
         lock = RedisLock(lock_client, KEY, ttl=30, store=store)
         assert lock.acquire()
         handle = lock.handle
-        taken = threading.Event()
-
-        def next_holder() -> None:
-            wait_until(lambda: not lock_client.exists(KEY), timeout=5, interval=0.002)
-            lock_client.set(KEY, HOLDER, px=30_000)
-            taken.set()
-
-        thread = threading.Thread(target=next_holder)
-        thread.start()
-        proxy.lose_replies = 1
-        assert lock.release() is ReleaseOutcome.NOT_OURS
-        thread.join(5)
+        with next_holder_takes(lock_client) as taken:
+            proxy.lose_replies = 1
+            assert lock.release() is ReleaseOutcome.NOT_OURS
         assert taken.is_set() and lock_client.get(KEY) == HOLDER.encode()
         assert losses == [] and handle is not None and not handle.lost
     finally:

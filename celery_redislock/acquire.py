@@ -105,14 +105,20 @@ class LockAttempt:
         # (Coalesced and debounced tasks also when their call skipped the
         # producer's step: a canvas member, send_task.)
         self.must_run = bool(self.handoff or settings.coalesce or settings.debounce)
-        #: Its first acquire goes through PARK: a copy of a call that parked
-        #: (or may have: a lost reply, a redelivery) must learn whether
-        #: another copy of the call already ran, and may hold the hand-off.
-        #: So does every call of a task whose calls may park (a beat call
-        #: that skips too): a key freed by a dead holder's TTL with calls
-        #: parked on it is theirs first (review helper-34 C1).
-        self.parks = (
-            self.must_run or uses_handoff(settings.policy) or uses_handoff(settings.beat_policy)
+        #: This call may park: a copy of a call that parked (or may have: a
+        #: lost reply, a redelivery) must learn whether another copy of the
+        #: call already ran, and may hold the hand-off.
+        self.may_park = self.must_run or uses_handoff(
+            settings.beat_policy if self.from_beat else settings.policy
+        )
+        #: Its first acquire goes through PARK: so does every call of a task
+        #: whose other calls may park (a beat call that skips): a key freed
+        #: by a dead holder's TTL with calls parked on it is theirs first
+        #: (review helper-34 C1). Not with ``lock_min_replicas``: PARK sends
+        #: no ``WAIT`` (helper-35), so such a call keeps the plain acquire.
+        self.parks = self.may_park or (
+            not settings.min_replicas
+            and (uses_handoff(settings.policy) or uses_handoff(settings.beat_policy))
         )
         self.handle: LockHandle | None = None
         #: An acquire was sent and its reply not (yet) read.

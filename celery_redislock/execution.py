@@ -138,7 +138,7 @@ class Execution(ParkingAttempt):
             # (acks_late and a crash before the ack, a visibility timeout):
             # its result is already stored. Drop the copy.
             self._contended(result, "already_succeeded")
-            if self.parks:
+            if self.may_park:
                 self._withdraw()  # any parked entry of this call: it ran
             logger.info(
                 "%s[%s] delivered again after it succeeded; dropped (lock %s kept its window)",

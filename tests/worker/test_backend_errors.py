@@ -171,3 +171,23 @@ def test_run_mode_takes_back_an_acquire_that_lands_after_the_run(
             wait_until(lambda: locks.exists(key) == 0, timeout=20, message="the late value")
     finally:
         proxy.close()
+
+
+@pytest.mark.parametrize("beat", ["skip", "handoff"])
+def test_a_call_of_a_task_whose_beat_calls_park_still_waits_for_its_replicas(
+    app: Celery, beat: str
+) -> None:
+    """No replica here: refused whatever the beat policy (PARK sends no WAIT; helper-35)."""
+
+    @app.task(
+        base=SingletonTask,
+        shared=False,
+        lock_min_replicas=1,
+        lock_min_replicas_timeout=0.2,
+        lock_beat_on_contention=beat,
+    )
+    def job() -> str:
+        return "ran"
+
+    result = job.apply()
+    assert result.state == "FAILURE" and isinstance(result.result, LockBackendError)

@@ -7,6 +7,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
 
 from tests.servers import CeleryWorkerProcess, RedisServer, wait_until
 
@@ -42,43 +44,71 @@ def reset_peer_globals() -> None:
         pass
 
 
-def server_cost(server: RedisServer, action: Callable[[], None]) -> tuple[float, float]:
-    """``(µs, commands)`` the lock store's server spent executing during ``action``.
+@dataclass(frozen=True)
+class ServerCost:
+    """What ``action`` cost the lock store's server, from its own counters."""
 
-    From its own ``INFO commandstats`` (reset first): the execution time of
-    every command, and how many ran, those a Lua script runs included (its
-    ``EVALSHA`` counts once more: the server's own accounting). What one
-    Redis core can serve is bounded by this time, whatever the clients.
-    The ``CONFIG RESETSTAT`` and ``INFO`` of the measurement are left out.
+    #: µs executing the commands the clients sent (a script's inner commands
+    #: are inside its ``EVALSHA``'s time, and are not counted again).
+    execution_us: float
+    #: Commands the server ran, those inside scripts included.
+    commands: float
+    #: µs of the server's main thread (``INFO cpu``): execution, and reading,
+    #: parsing and answering each round trip.
+    cpu_us: float
+
+
+#: Rows of ``INFO commandstats`` the measurement itself adds.
+_MEASUREMENT_ROWS = ("info", "config|resetstat", "config", "flushall", "monitor", "echo")
+
+
+def server_cost(
+    server: RedisServer, action: Callable[[], None], origins: dict[str, tuple[int, int]]
+) -> ServerCost:
+    """What the lock store's server spent while ``action`` ran.
+
+    From its own ``INFO commandstats`` and ``INFO cpu`` (reset and read
+    around ``action``). The server counts a command run inside a Lua script
+    twice in time: in its own row and inside the script's ``EVALSHA``. So a
+    row's time counts only in the share of its calls that the clients sent,
+    as ``origins`` (:func:`command_origins` over the same action) says: the
+    ``get`` and ``del`` a release script runs are in its ``EVALSHA``, a
+    ``SET`` the client sends is its own. ``commands`` counts both.
     """
     client = server.client()
     try:
         client.config_resetstat()
+        before = _main_thread_cpu(client)
         action()
+        spent = _main_thread_cpu(client) - before
         stats = client.info("commandstats")
     finally:
         client.close()
     usec = calls = 0.0
-    for name, row in stats.items():
-        if name in (
-            "cmdstat_info",
-            "cmdstat_config|resetstat",
-            "cmdstat_config",
-            "cmdstat_flushall",
-        ):
+    for row_name, row in stats.items():
+        name = row_name.removeprefix("cmdstat_")
+        if name in _MEASUREMENT_ROWS:
             continue
-        usec += float(row["usec"])
+        sent, in_scripts = origins.get(name.split("|")[0], (1, 0))
+        usec += float(row["usec"]) * sent / ((sent + in_scripts) or 1)
         calls += float(row["calls"])
-    return usec, calls
+    return ServerCost(usec, calls, spent * 1e6)
 
 
-def count_round_trips(server: RedisServer, action: Callable[[], None]) -> int:
-    """Top-level commands the lock store received during ``action`` (MONITOR).
+def _main_thread_cpu(client: Any) -> float:
+    info = client.info("cpu")
+    if "used_cpu_user_main_thread" in info:
+        return float(info["used_cpu_user_main_thread"]) + float(info["used_cpu_sys_main_thread"])
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
-    Commands run inside Lua scripts are shown by MONITOR as ``[... lua]`` and
-    are not round trips, so they are left out.
+
+def command_origins(server: RedisServer, action: Callable[[], None]) -> dict[str, tuple[int, int]]:
+    """``{command: (sent by clients, run inside scripts)}`` while ``action`` ran (MONITOR).
+
+    MONITOR shows the commands a Lua script runs as ``[... lua]``; the
+    clients' own commands are their round trips.
     """
-    lines: list[str] = []
+    seen: dict[str, list[int]] = {}
     ready = threading.Event()
     stop = threading.Event()
 
@@ -90,8 +120,11 @@ def count_round_trips(server: RedisServer, action: Callable[[], None]) -> int:
                 command = str(event.get("command", ""))
                 if stop.is_set() and command.startswith("ECHO bench-monitor-end"):
                     return
-                if event.get("client_type") != "lua" and not command.startswith("ECHO bench-"):
-                    lines.append(command)
+                if command.startswith("ECHO bench-"):
+                    continue
+                name = command.split(" ", 1)[0].lower()
+                counts = seen.setdefault(name, [0, 0])
+                counts[event.get("client_type") == "lua"] += 1
 
     thread = threading.Thread(target=monitor, daemon=True)
     thread.start()
@@ -101,7 +134,12 @@ def count_round_trips(server: RedisServer, action: Callable[[], None]) -> int:
     stop.set()
     server.client().echo("bench-monitor-end")
     thread.join(10)
-    return len(lines)
+    return {name: (sent, in_scripts) for name, (sent, in_scripts) in seen.items()}
+
+
+def round_trips(origins: dict[str, tuple[int, int]]) -> int:
+    """The commands the clients sent (not those scripts ran): their round trips."""
+    return sum(sent for sent, _ in origins.values())
 
 
 @contextmanager

@@ -18,7 +18,13 @@ from typing import Any
 
 import redis.asyncio
 
-from bench.harness import count_round_trips, peers_available, server_cost
+from bench.harness import (
+    ServerCost,
+    command_origins,
+    peers_available,
+    round_trips,
+    server_cost,
+)
 from bench.report import Report
 from celery_redislock import AsyncRedisLock, RedisLock
 from celery_redislock.aiostore import AsyncLockStore
@@ -94,8 +100,10 @@ def lock_cycle(report: Report, rounds: int, seconds: float, distinct: int = 20_0
     bare = _BareSocket(server.port)
     try:
         for name, cycle in cycles.items():
-            trips = count_round_trips(server, lambda c=cycle: [c(i) for i in range(50)])
-            report.add(scenario, name, "round trips per cycle", "commands", trips / 50)
+            origins = command_origins(server, lambda c=cycle: [c(i) for i in range(50)])
+            report.add(
+                scenario, name, "round trips per cycle", "commands", round_trips(origins) / 50
+            )
         _server_costs(
             report, scenario, server, cycles, client, rounds, 200 if seconds < 1 else 20_000
         )
@@ -157,40 +165,91 @@ def _server_costs(
     rounds: int,
     n: int,
 ) -> None:
-    """What one uncontended cycle costs the Redis server: µs executing, commands run.
+    """What one uncontended cycle costs the Redis server: µs executing, commands run, CPU.
 
-    The method of ``shared/tools/server_cost.py``: ``n`` cycles over 100
-    names, the server's ``INFO commandstats`` (commands inside scripts
-    included), each contender in every round, the ratio to redis-py's
-    ``Lock`` of the same round. Plus the floor: ``SET NX PX`` and ``DEL``
-    with no ownership check.
+    ``n`` cycles over 100 names, each contender in every round, the ratio
+    to redis-py's ``Lock`` of the same round; see
+    :func:`bench.harness.server_cost` for what each figure counts (the
+    commands a script runs are in its ``EVALSHA``'s time once). Plus the
+    floor: ``SET NX PX`` and ``DEL`` with no ownership check.
     """
 
     def floor(i: int) -> None:
         client.set(f"cycle:{i % 100}", "v", nx=True, px=30000)
         client.delete(f"cycle:{i % 100}")
 
-    contenders = {"SET NX PX + DEL, no ownership check (the floor)": floor, **cycles}
+    contenders = {
+        "SET NX PX + DEL, no ownership check (the floor)": floor,
+        **cycles,
+        "SingletonTask run (Celery's tracer, no broker)": _task_runs(server),
+    }
+    origins = {
+        name: command_origins(server, lambda c=cycle: [c(i % 100) for i in range(20)])
+        for name, cycle in contenders.items()
+    }
     for _ in range(rounds):
-        costs: dict[str, tuple[float, float]] = {}
+        costs: dict[str, ServerCost] = {}
         for name, cycle in contenders.items():
             for i in range(100):  # scripts loaded, connections open
                 cycle(i)
-            usec, calls = server_cost(server, lambda c=cycle: [c(i % 100) for i in range(n)])
-            costs[name] = (usec / n, calls / n)
-        for name, (usec, calls) in costs.items():
+            costs[name] = server_cost(
+                server, lambda c=cycle: [c(i % 100) for i in range(n)], origins[name]
+            )
+        base = costs["redis-py Lock"]
+        for name, cost in costs.items():
             report.add(
                 scenario,
                 name,
                 "server execution per cycle",
                 "µs",
-                usec,
-                usec / costs["redis-py Lock"][0],
+                cost.execution_us / n,
+                cost.execution_us / base.execution_us,
             )
             report.add(
-                scenario, name, "server commands per cycle (scripts' included)", "commands", calls
+                scenario,
+                name,
+                "server main-thread CPU per cycle",
+                "µs",
+                cost.cpu_us / n,
+                cost.cpu_us / base.cpu_us,
+            )
+            report.add(
+                scenario,
+                name,
+                "server commands per cycle (scripts' included)",
+                "commands",
+                cost.commands / n,
             )
     client.flushall()
+
+
+def _task_runs(server: RedisServer) -> Callable[[int], None]:
+    """One run of a no-op ``SingletonTask`` per call, as a worker's tracer runs it.
+
+    What the task path asks of the lock store, beside the standalone locks
+    of the same round; no broker (the worker's side only).
+    """
+    import uuid
+
+    from celery import Celery
+    from celery.app.trace import build_tracer
+
+    from celery_redislock import SingletonTask
+
+    app = Celery("bench-cycle", broker="memory://", backend=None)
+    app.conf.update(redislock_url=f"{server.url}/0", task_ignore_result=True)
+
+    @app.task(name="bench.cycle.locked", base=SingletonTask)
+    def locked(n: int) -> None:
+        return None
+
+    trace = build_tracer(locked.name, locked, app=app, eager=False, propagate=True)
+
+    def run(i: int) -> None:
+        task_id = str(uuid.uuid4())
+        trace(task_id, (i,), {}, {"id": task_id, "delivery_info": {"routing_key": "celery"}})
+
+    return run
 
 
 def _left_behind(

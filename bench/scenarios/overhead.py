@@ -9,8 +9,9 @@ from typing import Any
 import redis
 
 from bench.harness import (
-    count_round_trips,
+    command_origins,
     reset_peer_globals,
+    round_trips,
     server_cost,
     tree_counters,
     worker,
@@ -33,6 +34,7 @@ def per_task_overhead(report: Report, rounds: int, n: int, contenders: list[str]
     try:
         for pool, concurrency in (("threads", 4), ("prefork", 2)):
             scenario = f"1. per-task overhead ({pool} -c {concurrency}, {n} no-op tasks)"
+            origins: dict[str, dict[str, tuple[int, int]]] = {}
             for round_no in range(rounds):
                 with worker(broker, locks, pool, concurrency) as process:
                     order = (
@@ -71,7 +73,7 @@ def per_task_overhead(report: Report, rounds: int, n: int, contenders: list[str]
                         )
                     if round_no == 0:
                         for contender in contenders:
-                            trips = count_round_trips(
+                            origins[contender] = command_origins(
                                 locks, lambda c=contender: _drain(tasks, c, 200, counter, locks, 99)
                             )
                             report.add(
@@ -79,26 +81,24 @@ def per_task_overhead(report: Report, rounds: int, n: int, contenders: list[str]
                                 contender,
                                 "lock-store round trips per task",
                                 "commands",
-                                trips / 200,
+                                round_trips(origins[contender]) / 200,
                             )
                     for contender in contenders:
-                        usec, calls = server_cost(
-                            locks, lambda c=contender: _drain(tasks, c, n // 4, counter, locks, 98)
+                        cost = server_cost(
+                            locks,
+                            lambda c=contender: _drain(tasks, c, n // 4, counter, locks, 98),
+                            origins[contender],
                         )
-                        report.add(
-                            scenario,
-                            contender,
-                            "lock-store server execution per task",
-                            "µs",
-                            usec / (n // 4),
-                        )
-                        report.add(
-                            scenario,
-                            contender,
-                            "lock-store server commands per task (scripts' included)",
-                            "commands",
-                            calls / (n // 4),
-                        )
+                        for metric, unit, value in (
+                            ("lock-store server execution per task", "µs", cost.execution_us),
+                            ("lock-store server main-thread CPU per task", "µs", cost.cpu_us),
+                            (
+                                "lock-store server commands per task (scripts' included)",
+                                "commands",
+                                cost.commands,
+                            ),
+                        ):
+                            report.add(scenario, contender, metric, unit, value / (n // 4))
                 print(
                     f"  {pool} round {round_no + 1}/{rounds}: "
                     + ", ".join(f"{c} {rates[c]:.0f}/s {cpu[c]:.0f} µs" for c in contenders),

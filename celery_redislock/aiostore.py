@@ -49,11 +49,13 @@ from celery_redislock.protocol import (
     ReleaseAttempts,
     RenewItem,
     accepted,
+    after_native_release,
     after_retry,
     after_set_nx_get,
     backend_error,
     decode_text,
     hand_off,
+    native_release,
     release_call,
     renew_call,
     renew_chunks,
@@ -114,6 +116,8 @@ class AsyncLockStore:
         self.fence_ttl_ms = int(fence_ttl * 1000)
         #: The server takes ``SET NX GET`` (cleared at its first "syntax error").
         self._set_nx_get = True
+        #: The server takes ``DELIFEQ`` (Valkey >= 9; cleared at its first refusal).
+        self._native_release = True
         self.where, self.commands, self.releases, self.renewals = endpoints(pool, renew_timeout)
 
     def __repr__(self) -> str:
@@ -327,6 +331,18 @@ class AsyncLockStore:
             return script_exchange(scripts.RELEASE_FULL, keys, args, encoding)
 
         lean = None if fenced else script_exchange(scripts.RELEASE, (key,), (value,), encoding)
+        native = pack_command(native_release(key, value), encoding)
+
+        async def plain(connection: Any, script: Exchange[Any]) -> Any:
+            if self._native_release:
+                deleted = after_native_release((await send_and_read(connection, native, 1))[0])
+                if deleted is not None:  # not deleted: the script says why
+                    return 1 if deleted else await full(False)(connection)
+                self._native_release = False  # refused: the scripts from now on
+            reply = await script(connection)
+            if reply == 2:  # someone waits behind us: wake them
+                reply = await full(False)(connection)
+            return reply
 
         async def attempt(connection: Any) -> Any:
             retry = attempts.start()
@@ -334,9 +350,7 @@ class AsyncLockStore:
                 if retry or lean is None:
                     reply = await full(retry)(connection)
                 else:
-                    reply = await lean(connection)
-                    if reply == 2:  # someone waits behind us: wake them
-                        reply = await full(False)(connection)
+                    reply = await plain(connection, lean)
             except ResponseError:
                 attempts.refused()  # a refusal: nothing ran
                 raise

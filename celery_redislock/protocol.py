@@ -11,6 +11,14 @@ queued value, the values of our earlier unanswered acquires) is taken over
 by ``ACQUIRE_SCRIPT``; any other is the holder. A server that refuses
 ``NX`` with ``GET`` (Redis < 7) answers "syntax error": the store then takes
 every key with the script.
+
+A plain release (our exact value, nothing kept, no fence read) is
+``DELIFEQ key value`` on a server that has it (Valkey >= 9): no script runs.
+Its 0 says only "not deleted" (the key gone, another holder's, or ours
+marked waited for); ``RELEASE_FULL_SCRIPT`` then says which, and hands over.
+A server without it (Redis, Valkey < 9) or an ACL user without it answers
+with a refusal (:func:`command_refused`): the store then releases with the
+scripts.
 """
 
 from __future__ import annotations
@@ -37,11 +45,14 @@ __all__ = [
     "ReleaseAttempts",
     "RenewItem",
     "accepted",
+    "after_native_release",
     "after_retry",
     "after_set_nx_get",
     "backend_error",
+    "command_refused",
     "decode_text",
     "hand_off",
+    "native_release",
     "release_call",
     "renew_call",
     "renew_chunks",
@@ -68,6 +79,35 @@ def set_nx_get(key: str, value: str, ttl_ms: int) -> tuple[Any, ...]:
 def unsupported(reply: Any) -> bool:
     """The server refused ``SET ... NX ... GET`` (Redis < 7): take keys with the script."""
     return isinstance(reply, ResponseError) and "syntax" in str(reply).lower()
+
+
+def native_release(key: str, value: str) -> tuple[str, str, str]:
+    """The plain release where the server has a compare-and-delete command (Valkey >= 9).
+
+    No script runs: the server's cost of a ``DEL``.
+    """
+    return ("DELIFEQ", key, value)
+
+
+def command_refused(reply: Any) -> bool:
+    """The server does not know the command, or the ACL user may not run it: nothing ran."""
+    if not isinstance(reply, ResponseError):
+        return False
+    lowered = str(reply).lower()
+    return any(marker in lowered for marker in _REFUSALS)
+
+
+def after_native_release(reply: Any) -> bool | None:
+    """What ``DELIFEQ``'s reply says: deleted, not (the script says why), ``None`` refused.
+
+    Raises:
+        ResponseError: any other error reply (a cluster redirection: nothing ran).
+    """
+    if command_refused(reply):
+        return None
+    if isinstance(reply, ResponseError):
+        raise reply
+    return bool(reply == 1)
 
 
 def after_set_nx_get(reply: Any, own: Sequence[str], encoding: str) -> Any:

@@ -102,6 +102,9 @@ class StoreConnections:
         #: The server takes ``SET NX GET`` (Redis >= 7, Valkey): cleared at its
         #: first "syntax error", after which acquires run ``ACQUIRE_SCRIPT``.
         self._set_nx_get = True
+        #: The server takes ``DELIFEQ`` (Valkey >= 9): cleared at its first
+        #: refusal, after which plain releases run ``RELEASE_SCRIPT``.
+        self._native_release = True
         if client is not None:
             self._client_ref = weakref.ref(client)
             self._where = describe_client(client)

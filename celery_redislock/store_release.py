@@ -14,13 +14,15 @@ from celery_redislock.outcomes import ReleaseOutcome
 from celery_redislock.protocol import (
     ReleaseAttempts,
     accepted,
+    after_native_release,
     after_retry,
     backend_error,
     hand_off,
+    native_release,
     release_call,
 )
 from celery_redislock.store_connections import StoreConnections, _attempt, _Kind
-from celery_redislock.transport import Endpoint
+from celery_redislock.transport import Endpoint, pack_command, send_and_read
 
 __all__ = ["LockRelease"]
 
@@ -137,7 +139,8 @@ class LockRelease(StoreConnections):
     ) -> Any:
         """Release: ``RELEASE_SCRIPT``, or ``RELEASE_FULL_SCRIPT``; return the reply.
 
-        A plain release (the exact value, nothing kept, no fence read) runs
+        A plain release (the exact value, nothing kept, no fence read) is
+        ``DELIFEQ`` where the server has it (Valkey >= 9: no script), else
         the lean script: ``GET``, compare, ``DEL``. If the value is marked
         waited for, or the release keeps a value, goes by owner prefix or
         must settle a fence counter (``settle``), the full one runs (the lean
@@ -161,6 +164,7 @@ class LockRelease(StoreConnections):
         def make(endpoint: Endpoint) -> Callable[[Any], Any]:
             encoding = endpoint.encoding
             first = scripts.RELEASE.exchange((key,), (match,), encoding) if lean else None
+            native = pack_command(native_release(key, match), encoding) if lean else b""
 
             def full(retry: bool) -> Callable[[Any], Any]:
                 keys, args = release_call(
@@ -173,6 +177,12 @@ class LockRelease(StoreConnections):
                     return full(retry)
 
                 def lean_first(connection: Any) -> Any:
+                    if self._native_release:
+                        deleted = after_native_release(send_and_read(connection, native, 1)[0])
+                        if deleted is not None:
+                            # Not deleted: gone, another's, or ours waited for (the script says).
+                            return 1 if deleted else full(False)(connection)
+                        self._native_release = False  # refused: the scripts from now on
                     reply = first(connection)
                     if reply == 2:  # someone waits behind us: hand over, wake them
                         return full(False)(connection)

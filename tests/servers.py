@@ -58,8 +58,10 @@ def redis_server_binary() -> str:
 class RedisServer:
     """A redis-server process of our own, on an ephemeral port, in a temp dir."""
 
-    def __init__(self, *extra_args: str, port: int | None = None) -> None:
-        self.binary = redis_server_binary()
+    def __init__(
+        self, *extra_args: str, port: int | None = None, binary: str | None = None
+    ) -> None:
+        self.binary = binary or redis_server_binary()
         self.extra_args = list(extra_args)
         self.port = port or free_port()
         self.dir = tempfile.mkdtemp(prefix="redislock-test-redis-")

@@ -29,6 +29,7 @@ from bench.report import Report
 from celery_redislock import AsyncRedisLock, RedisLock
 from celery_redislock.aiostore import AsyncLockStore
 from celery_redislock.store import LockStore
+from examples.server import embedded_binary, server_version
 from tests.servers import RedisServer
 
 
@@ -107,6 +108,7 @@ def lock_cycle(report: Report, rounds: int, seconds: float, distinct: int = 20_0
         _server_costs(
             report, scenario, server, cycles, client, rounds, 200 if seconds < 1 else 20_000
         )
+        _server_costs_on_valkey(report, server, rounds, 200 if seconds < 1 else 20_000)
         for round_no in range(rounds):
             rates: dict[str, float] = {}
             cpu: dict[str, float] = {}
@@ -221,6 +223,31 @@ def _server_costs(
                 cost.commands / n,
             )
     client.flushall()
+
+
+def _server_costs_on_valkey(report: Report, server: RedisServer, rounds: int, n: int) -> None:
+    """The server cost table again on Valkey 9 (the embedded one), if the run is not on it.
+
+    Where the server has ``DELIFEQ``, a plain release runs no script.
+    """
+    binary = embedded_binary()
+    if binary is None or server_version(server.binary)[0] == "Valkey":
+        return
+    name, version = server_version(binary)
+    valkey = RedisServer(binary=binary)
+    client = valkey.client()
+    try:
+        cycles = {
+            "redis-py Lock": _cycle("cycle", lambda key: client.lock(key, timeout=30)),
+            "celery-redislock RedisLock": _cycle(
+                "cycle", lambda key: RedisLock(client, key, ttl=30)
+            ),
+        }
+        scenario = f"2b. lock cycle on {name} {version} (server cost)"
+        _server_costs(report, scenario, valkey, cycles, client, rounds, n)
+    finally:
+        LockStore.for_client(client).close()
+        valkey.close()
 
 
 def _task_runs(server: RedisServer) -> Callable[[int], None]:

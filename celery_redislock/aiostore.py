@@ -313,13 +313,10 @@ class AsyncLockStore:
     ) -> int:
         """Release as :meth:`LockStore.do_release` does; return its reply (1, 0 or -1).
 
-        A lost reply (or ``resent``) makes the next attempt a retry, as
-        there (``protocol.ReleaseAttempts``). If the
-        release handed the key to a task execution parked on it (a task's
-        ``HandOff`` policy on the same key name), this store cannot publish
-        its message: a worker's sweep hands the call the key again once the
-        hand-over expires unused (as with a sync store that has no
-        publisher); reported as 1.
+        A lost reply (or ``resent``) makes the next attempt a retry, as there.
+        A key handed to a task call parked on it (``HandOff`` on the same key
+        name) is reported as 1: this store cannot publish the call's message,
+        a worker's sweep hands it the key again once the hand-over expires.
         """
         encoding = self.releases.encoding
         attempts = ReleaseAttempts(key, resent)
@@ -336,11 +333,15 @@ class AsyncLockStore:
         async def plain(connection: Any, script: Exchange[Any]) -> Any:
             if self._native_release:
                 deleted = after_native_release((await send_and_read(connection, native, 1))[0])
-                if deleted is not None:  # not deleted: the script says why
-                    return 1 if deleted else await full(False)(connection)
-                self._native_release = False  # refused: the scripts from now on
+                if deleted:
+                    return 1
+                if deleted is None:
+                    self._native_release = False  # refused: the scripts from now on
+                else:
+                    attempts.answered()  # nothing deleted, and known (as LockStore's)
             reply = await script(connection)
             if reply == 2:  # someone waits behind us: wake them
+                attempts.start()  # the full release may run: its reply matters
                 reply = await full(False)(connection)
             return reply
 

@@ -65,7 +65,13 @@ __all__ = [
 #: Each lock comes with its fence counter: 500 keys per call.
 RENEW_CHUNK_SIZE = 250
 #: What a refusal (not an outage) says: an ACL, a renamed or disabled command.
-_REFUSALS = ("noperm", "no permissions", "unknown command", "can't run this command")
+_REFUSALS = (
+    "noperm",
+    "no permissions",
+    "unknown command",
+    "unsupported command",
+    "can't run this command",
+)
 
 #: :func:`after_set_nx_get`'s answer for a value to take over with ``ACQUIRE_SCRIPT``.
 TAKE_OVER: Any = None

@@ -27,6 +27,7 @@ from redis.exceptions import (
 )
 
 __all__ = [
+    "MasterDemoted",
     "Runner",
     "Script",
     "ScriptCall",
@@ -155,7 +156,11 @@ def _raise_connection_errors(connection: Any, reply: ResponseError | ConnectionE
     if isinstance(reply, ConnectionError):
         raise reply
     if getattr(getattr(connection, "connection_pool", None), "is_master", False):
-        raise ConnectionError("The previous master is now a slave")
+        raise MasterDemoted("The previous master is now a slave")
+
+
+class MasterDemoted(ConnectionError):
+    """A Sentinel-managed master answered ``-READONLY`` (demoted): the write did not run."""
 
 
 #: The standard library's socket class, as imported before any monkey-patching

@@ -45,6 +45,7 @@ from celery_redislock.transport import (
     NO_RETRY,
     ClusterTopology,
     Endpoint,
+    MasterDemoted,
     ScriptCall,
     Topology,
     connection_factory,
@@ -317,8 +318,8 @@ def _attempt(
     exchange = script(attempts.start())
     try:
         reply = exchange(connection)
-    except ResponseError:
-        attempts.refused()  # a redirection or a refusal: nothing ran
+    except (ResponseError, MasterDemoted):
+        attempts.refused()  # a redirection, a refusal, a demoted master: nothing ran
         raise
     attempts.answered()
     return reply

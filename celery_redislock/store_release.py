@@ -179,12 +179,17 @@ class LockRelease(StoreConnections):
                 def lean_first(connection: Any) -> Any:
                     if self._native_release:
                         deleted = after_native_release(send_and_read(connection, native, 1)[0])
-                        if deleted is not None:
-                            # Not deleted: gone, another's, or ours waited for (the script says).
-                            return 1 if deleted else full(False)(connection)
-                        self._native_release = False  # refused: the scripts from now on
+                        if deleted:
+                            return 1
+                        if deleted is None:
+                            self._native_release = False  # refused: the scripts from now on
+                        else:
+                            # Nothing deleted, and known: the script below only says why
+                            # (gone, another's, ours waited for); it cannot delete.
+                            attempts.answered()
                     reply = first(connection)
                     if reply == 2:  # someone waits behind us: hand over, wake them
+                        attempts.start()  # the full release may run: its reply matters
                         return full(False)(connection)
                     return reply
 

@@ -51,6 +51,7 @@ from redis.retry import Retry
 
 from celery_redislock._process import current_pid
 from celery_redislock.resp import (
+    MasterDemoted,
     Script,
     ScriptCall,
     after_asking,
@@ -69,6 +70,7 @@ __all__ = [
     "NO_RETRY",
     "ClusterTopology",
     "Endpoint",
+    "MasterDemoted",
     "Script",
     "ScriptCall",
     "Subscription",

@@ -230,7 +230,7 @@ def _free_cluster_port() -> int:
     raise RuntimeError("no free port pair for a cluster node")
 
 
-def cluster_node() -> RedisServer:
+def cluster_node(binary: str | None = None) -> RedisServer:
     """A cluster-enabled server on a free port pair, not joined to any cluster yet."""
     return RedisServer(
         "--cluster-enabled",
@@ -240,17 +240,18 @@ def cluster_node() -> RedisServer:
         "--cluster-node-timeout",
         "5000",
         port=_free_cluster_port(),
+        binary=binary,
     )
 
 
 class RedisClusterServers:
     """Three cluster-enabled servers (masters, no replicas), joined by commands."""
 
-    def __init__(self, masters: int = 3) -> None:
+    def __init__(self, masters: int = 3, binary: str | None = None) -> None:
         self.nodes: list[RedisServer] = []
         try:
             for _ in range(masters):
-                self.nodes.append(cluster_node())
+                self.nodes.append(cluster_node(binary))
             _join_cluster(self.nodes)
 
             def settled() -> bool:

@@ -189,16 +189,20 @@ def _server_costs(
         name: command_origins(server, lambda c=cycle: [c(i % 100) for i in range(20)])
         for name, cycle in contenders.items()
     }
-    for _ in range(rounds):
+    names = list(contenders)
+    for round_no in range(rounds):
         costs: dict[str, ServerCost] = {}
-        for name, cycle in contenders.items():
+        # Each round in another order: no contender always runs first, or last.
+        for name in names[round_no % len(names) :] + names[: round_no % len(names)]:
+            cycle = contenders[name]
             for i in range(100):  # scripts loaded, connections open
                 cycle(i)
             costs[name] = server_cost(
                 server, lambda c=cycle: [c(i % 100) for i in range(n)], origins[name]
             )
         base = costs["redis-py Lock"]
-        for name, cost in costs.items():
+        for name in names:
+            cost = costs[name]
             report.add(
                 scenario,
                 name,
@@ -243,7 +247,7 @@ def _server_costs_on_valkey(report: Report, server: RedisServer, rounds: int, n:
                 "cycle", lambda key: RedisLock(client, key, ttl=30)
             ),
         }
-        scenario = f"2b. lock cycle on {name} {version} (server cost)"
+        scenario = f"2. lock cycle, server cost on {name} {version}"
         _server_costs(report, scenario, valkey, cycles, client, rounds, n)
     finally:
         LockStore.for_client(client).close()

@@ -16,11 +16,12 @@ from typing import Any
 import pytest
 import redis
 import redis.asyncio
+import redis.sentinel
 
 from celery_redislock import AsyncRedisLock, RedisLock
 from celery_redislock.store import LockStore, ReleaseOutcome
 from examples.server import embedded_binary
-from tests.servers import FaultProxy, RedisServer, wait_until
+from tests.servers import FaultProxy, RedisClusterServers, RedisServer, wait_until
 
 KEY = "redislock:t:{native}"
 MINE = "v1|me|0|h|1|n|job|0"
@@ -187,3 +188,69 @@ def test_a_delifeq_whose_reply_was_lost_is_retried_as_released(
     finally:
         store.close()
         proxy.close()
+
+
+def test_a_lock_found_another_holders_during_a_slot_migration_is_reported_not_ours(
+    native_server: RedisServer,
+) -> None:
+    """The release classifies a refused DELIFEQ with the one-key script (helper-36 F1).
+
+    While the slot migrates, a script naming the lock's companion keys as well
+    is refused (TRYAGAIN, its keys split between the nodes) until it ends.
+    """
+    cluster = RedisClusterServers(masters=2, binary=native_server.binary)
+    store = LockStore(cluster.url)
+    try:
+        cluster.node_holding(KEY).client().set(KEY, OTHER, px=30_000)
+        assert store.release(KEY + "warm", MINE) is ReleaseOutcome.ALREADY_GONE
+        target, finish = cluster.start_migration(KEY)
+        try:
+            assert store.release(KEY, MINE) is ReleaseOutcome.NOT_OURS
+        finally:
+            finish()
+        assert target.client().get(KEY) == OTHER.encode()
+    finally:
+        store.close()
+        cluster.close()
+
+
+def test_a_release_on_a_demoted_master_reports_the_loss_found_on_the_new_one(
+    native_server: RedisServer,
+) -> None:
+    """READONLY refuses the release: nothing ran, so its retry is no retry (helper-36 F2).
+
+    A Sentinel failover left the old master up as the new one's replica; on
+    the new master the key is gone. The release reconnects and finds it gone:
+    a loss (ALREADY_GONE), not a release sent again after a lost reply.
+    """
+    new = RedisServer(binary=native_server.binary)
+    master = {"address": ("127.0.0.1", native_server.port)}
+    sentinel = redis.sentinel.Sentinel([("127.0.0.1", 1)])
+    sentinel.discover_master = lambda name: master["address"]  # type: ignore[method-assign]
+    client = sentinel.master_for("locks")
+    store = LockStore(client=client)
+    try:
+        old = native_server.client()
+        old.flushall()
+        lock = RedisLock(client, KEY, ttl=30, store=store, renew=False)
+        assert lock.acquire(blocking=False)
+        assert store.release(KEY + "warm", MINE) is ReleaseOutcome.ALREADY_GONE
+        # The failover: the new master has no key (lost), the old one follows it.
+        old.execute_command("REPLICAOF", "127.0.0.1", new.port)
+        master["address"] = ("127.0.0.1", new.port)
+        wait_until(
+            lambda: (
+                old.info("replication").get("master_link_status") == "up" and old.exists(KEY) == 0
+            ),
+            timeout=20,
+            message="the old master to follow the new one",
+        )
+        handle = lock.handle
+        assert handle is not None
+        assert lock.release() is ReleaseOutcome.ALREADY_GONE
+        assert handle.lost_reason == "gone"  # reported as a loss
+    finally:
+        native_server.client().execute_command("REPLICAOF", "NO", "ONE")
+        store.close()
+        client.close()
+        new.close()

@@ -244,10 +244,7 @@ class AsyncLockStore:
             return ReleaseOutcome(reply)
 
     async def extend(self, key: str, value: str, ttl_ms: int, fenced: bool = False) -> RenewOutcome:
-        """Reset the lock's TTL to ``ttl_ms`` if it still holds ``value``.
-
-        ``fenced``: the holder read a fence; its counter is renewed with it.
-        """
+        """Reset the TTL to ``ttl_ms`` if the key holds ``value`` (``fenced``: the fence's too)."""
         async with self._errors("extend", key):
             # Passed only when set: an override of do_extend(key, value, ttl_ms) still works.
             flags = accepted(type(self).do_extend, fenced=fenced)
@@ -341,6 +338,7 @@ class AsyncLockStore:
                     attempts.answered()  # nothing deleted, and known (as LockStore's)
             reply = await script(connection)
             if reply == 2:  # someone waits behind us: wake them
+                attempts.answered()  # read, and it deleted nothing
                 attempts.start()  # the full release may run: its reply matters
                 reply = await full(False)(connection)
             return reply

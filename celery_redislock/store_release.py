@@ -189,6 +189,7 @@ class LockRelease(StoreConnections):
                             attempts.answered()
                     reply = first(connection)
                     if reply == 2:  # someone waits behind us: hand over, wake them
+                        attempts.answered()  # read, and it deleted nothing (helper-37)
                         attempts.start()  # the full release may run: its reply matters
                         return full(False)(connection)
                     return reply

@@ -18,8 +18,9 @@ import redis
 import redis.asyncio
 import redis.sentinel
 
-from celery_redislock import AsyncRedisLock, RedisLock
+from celery_redislock import AsyncRedisLock, RedisLock, lock_lost, resp, scripts
 from celery_redislock.store import LockStore, ReleaseOutcome
+from celery_redislock.tokens import WAITING
 from examples.server import embedded_binary
 from tests.servers import FaultProxy, RedisClusterServers, RedisServer, wait_until
 
@@ -254,3 +255,48 @@ def test_a_release_on_a_demoted_master_reports_the_loss_found_on_the_new_one(
         store.close()
         client.close()
         new.close()
+
+
+@pytest.mark.parametrize("loss", ["gone", "stolen"])
+def test_a_loss_between_the_scripts_answer_and_the_hand_over_is_reported(
+    native_server: RedisServer,
+    client: redis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+    loss: str,
+) -> None:
+    """Ours and marked (2), then lost before the full release: a loss, not a retry (helper-37 A).
+
+    Through the scripts (a user without DELIFEQ): the lean script's answer
+    was read, so the full release that follows is a first attempt.
+    """
+    reports: list[str] = []
+
+    def on_lost(sender: Any = None, **named: Any) -> None:
+        reports.append(named["reason"])
+
+    lock_lost.connect(on_lost, weak=False)
+    real = resp.send_and_read
+
+    def lose_after_the_lean_answer(connection: Any, packed: bytes, count: int) -> list[Any]:
+        replies = real(connection, packed, count)
+        if scripts.RELEASE.sha.encode() in packed and replies == [2]:
+            if loss == "gone":
+                client.delete(KEY)
+            else:
+                client.set(KEY, OTHER, px=30_000)
+        return replies
+
+    monkeypatch.setattr(resp, "send_and_read", lose_after_the_lean_answer)
+    url = f"redis://nodelifeq:s3cret@127.0.0.1:{native_server.port}/0"
+    store = LockStore(url)
+    try:
+        assert store.release(KEY + "warm", MINE) is ReleaseOutcome.ALREADY_GONE  # DELIFEQ refused
+        lock = RedisLock(client, KEY, ttl=30, store=store, renew=False)
+        assert lock.acquire(blocking=False)
+        client.append(KEY, WAITING)  # a waiter marked it
+        expected = ReleaseOutcome.ALREADY_GONE if loss == "gone" else ReleaseOutcome.NOT_OURS
+        assert lock.release() is expected
+        assert reports == [loss]
+    finally:
+        lock_lost.disconnect(on_lost)
+        store.close()

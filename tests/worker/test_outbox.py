@@ -70,7 +70,11 @@ def _a_lock_retry_whose_broker_dies(
 
     lock_contended.connect(broker_dies, weak=False)
     try:
-        with embedded_worker(app, "threads", 2):
+        # Solo: the early ack is sent from the consumer's own thread. A pool
+        # thread's ack shares the consumer's broker connection, and under load
+        # it failed ("Couldn't ack"), after which Celery 5.7's reconnect
+        # stopped the worker (CI, quorum suite) and nothing was left to sweep.
+        with embedded_worker(app, "solo"):
             # Held once the worker is up, so its start-up cannot eat the TTL.
             key = job.lock_key_for(("only",), {})
             lock_client.set(key, "v1|holder|0|elsewhere|1|ab|job|0", px=1500)

@@ -453,12 +453,17 @@ def test_calls_made_in_a_task_body_are_deduplicated_like_any_other(
 
     @app.task(base=SingletonTask, shared=False, lock_args=("account",), lock_enqueue=True)
     def settle(account: int) -> str:
+        # Not done before the body's last call: a finished run frees the key
+        # (the other pool thread may run it at once: 2 ids on RabbitMQ in CI).
+        wait_until(lambda: record.get("fanned"), timeout=20)
         record.rpush("runs", account)
         return f"settled {account}"
 
     @app.task(shared=False)
     def fan_out() -> list[str]:
-        return [settle.delay(1).id, settle.apply_async((1,)).id, settle.s(1).delay().id]
+        ids = [settle.delay(1).id, settle.apply_async((1,)).id, settle.s(1).delay().id]
+        record.set("fanned", 1)
+        return ids
 
     with embedded_worker(app, "threads", 2):
         ids = fan_out.delay().get(timeout=20)

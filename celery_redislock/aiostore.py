@@ -325,10 +325,10 @@ class AsyncLockStore:
             return script_exchange(scripts.RELEASE_FULL, keys, args, encoding)
 
         lean = None if fenced else script_exchange(scripts.RELEASE, (key,), (value,), encoding)
-        native = pack_command(native_release(key, value), encoding)
 
         async def plain(connection: Any, script: Exchange[Any]) -> Any:
             if self._native_release:
+                native = pack_command(native_release(key, value), encoding)
                 deleted = after_native_release((await send_and_read(connection, native, 1))[0])
                 if deleted:
                     return 1

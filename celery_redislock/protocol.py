@@ -15,7 +15,8 @@ every key with the script.
 A plain release (our exact value, nothing kept, no fence read) is
 ``DELIFEQ key value`` on a server that has it (Valkey >= 9): no script runs.
 Its 0 says only "not deleted" (the key gone, another holder's, or ours
-marked waited for); ``RELEASE_FULL_SCRIPT`` then says which, and hands over.
+marked waited for); ``RELEASE_SCRIPT`` then says which (and a marked one
+goes on to the full release, which hands over).
 A server without it (Redis, Valkey < 9) or an ACL user without it answers
 with a refusal (:func:`command_refused`): the store then releases with the
 scripts.

@@ -164,7 +164,6 @@ class LockRelease(StoreConnections):
         def make(endpoint: Endpoint) -> Callable[[Any], Any]:
             encoding = endpoint.encoding
             first = scripts.RELEASE.exchange((key,), (match,), encoding) if lean else None
-            native = pack_command(native_release(key, match), encoding) if lean else b""
 
             def full(retry: bool) -> Callable[[Any], Any]:
                 keys, args = release_call(
@@ -178,6 +177,7 @@ class LockRelease(StoreConnections):
 
                 def lean_first(connection: Any) -> Any:
                     if self._native_release:
+                        native = pack_command(native_release(key, match), encoding)
                         deleted = after_native_release(send_and_read(connection, native, 1)[0])
                         if deleted:
                             return 1

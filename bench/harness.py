@@ -57,6 +57,13 @@ class ServerCost:
     #: parsing and answering each round trip.
     cpu_us: float
 
+    def __add__(self, other: ServerCost) -> ServerCost:
+        return ServerCost(
+            self.execution_us + other.execution_us,
+            self.commands + other.commands,
+            self.cpu_us + other.cpu_us,
+        )
+
 
 #: Rows of ``INFO commandstats`` the measurement itself adds.
 _MEASUREMENT_ROWS = ("info", "config|resetstat", "config", "flushall", "monitor", "echo")

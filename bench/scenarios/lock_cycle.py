@@ -11,6 +11,7 @@ resident keys after N distinct keys, and bytes of ``used_memory`` per key.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import socket
 import time
 from collections.abc import Callable
@@ -85,6 +86,8 @@ def lock_cycle(report: Report, rounds: int, seconds: float, distinct: int = 20_0
         "redis-py asyncio Lock": lambda i: loop.run_until_complete(async_redis_py(i)),
         "celery-redislock AsyncRedisLock": lambda i: loop.run_until_complete(async_ours(i)),
     }
+    minimal = _MinimalLock(server.port, client)
+    cycles["minimal lock: fresh value, SET NX PX, compare-and-delete (no library)"] = minimal
     if available["redis_lock"]:
         import redis_lock
 
@@ -152,6 +155,7 @@ def lock_cycle(report: Report, rounds: int, seconds: float, distinct: int = 20_0
             _left_behind(report, scenario, server, client, distinct)
     finally:
         bare.close()
+        minimal.close()
         loop.run_until_complete(AsyncLockStore.for_client(async_client).aclose())
         loop.run_until_complete(async_client.aclose())
         loop.close()
@@ -170,7 +174,8 @@ def _server_costs(
     """What one uncontended cycle costs the Redis server: µs executing, commands run, CPU.
 
     ``n`` cycles over 100 names, each contender in every round, the ratio
-    to redis-py's ``Lock`` of the same round; see
+    to redis-py's ``Lock`` of the same round (a task's: to a task taking
+    redis-py's ``Lock``); see
     :func:`bench.harness.server_cost` for what each figure counts (the
     commands a script runs are in its ``EVALSHA``'s time once). Plus the
     floor: ``SET NX PX`` and ``DEL`` with no ownership check.
@@ -183,26 +188,38 @@ def _server_costs(
     contenders = {
         "SET NX PX + DEL, no ownership check (the floor)": floor,
         **cycles,
-        "SingletonTask run (Celery's tracer, no broker)": _task_runs(server),
+        **_task_runs(server),
     }
     origins = {
         name: command_origins(server, lambda c=cycle: [c(i % 100) for i in range(20)])
         for name, cycle in contenders.items()
     }
     names = list(contenders)
+    for cycle in contenders.values():
+        for i in range(100):  # scripts loaded, connections open
+            cycle(i)
+    chunk = max(n // _CHUNKS, 1)
     for round_no in range(rounds):
-        costs: dict[str, ServerCost] = {}
-        # Each round in another order: no contender always runs first, or last.
-        for name in names[round_no % len(names) :] + names[: round_no % len(names)]:
-            cycle = contenders[name]
-            for i in range(100):  # scripts loaded, connections open
-                cycle(i)
-            costs[name] = server_cost(
-                server, lambda c=cycle: [c(i % 100) for i in range(n)], origins[name]
-            )
-        base = costs["redis-py Lock"]
+        costs = {name: ServerCost(0.0, 0.0, 0.0) for name in names}
+        # Contenders take turns in chunks (the server's speed drifts within
+        # a round: one contender's whole run against another's measured a
+        # 0.85-1.6x spread between identical command sets), each round in
+        # another order: none always runs first, or last.
+        order = names[round_no % len(names) :] + names[: round_no % len(names)]
+        for _ in range(_CHUNKS):
+            for name in order:
+                cycle = contenders[name]
+                costs[name] += server_cost(
+                    server, lambda c=cycle: [c(i % 100) for i in range(chunk)], origins[name]
+                )
+        n = chunk * _CHUNKS
         for name in names:
             cost = costs[name]
+            # A task's cycles are paced by Celery's tracer between commands,
+            # which alone makes each command cost the server more (measured:
+            # redis-py's Lock with 150 µs of client work between commands,
+            # 1.1x its unpaced time): a task is compared with a task.
+            base = costs[_TASK_BASE if name in _TASKS else "redis-py Lock"]
             report.add(
                 scenario,
                 name,
@@ -254,11 +271,23 @@ def _server_costs_on_valkey(report: Report, server: RedisServer, rounds: int, n:
         valkey.close()
 
 
-def _task_runs(server: RedisServer) -> Callable[[int], None]:
-    """One run of a no-op ``SingletonTask`` per call, as a worker's tracer runs it.
+#: Turns each contender takes per round of the server cost.
+_CHUNKS = 10
+
+#: The task-path contenders; the second is the first's baseline.
+_TASK_RUN = "SingletonTask run (Celery's tracer, no broker)"
+_TASK_BASE = "task taking redis-py's Lock in its body (same tracer)"
+_TASKS = (_TASK_RUN, _TASK_BASE)
+
+
+def _task_runs(server: RedisServer) -> dict[str, Callable[[int], None]]:
+    """One run of a no-op task per call, as a worker's tracer runs it: locked two ways.
 
     What the task path asks of the lock store, beside the standalone locks
-    of the same round; no broker (the worker's side only).
+    of the same round; no broker (the worker's side only). A
+    ``SingletonTask``, and a plain task whose body takes redis-py's
+    ``Lock`` on a key of its argument: the same client pacing around the
+    same commands.
     """
     import uuid
 
@@ -269,18 +298,27 @@ def _task_runs(server: RedisServer) -> Callable[[int], None]:
 
     app = Celery("bench-cycle", broker="memory://", backend=None)
     app.conf.update(redislock_url=f"{server.url}/0", task_ignore_result=True)
+    client = server.client()
 
     @app.task(name="bench.cycle.locked", base=SingletonTask)
     def locked(n: int) -> None:
         return None
 
-    trace = build_tracer(locked.name, locked, app=app, eager=False, propagate=True)
+    @app.task(name="bench.cycle.redis_py_lock")
+    def redis_py_locked(n: int) -> None:
+        with client.lock(f"bench.cycle.redis_py_lock:{n}", timeout=30):
+            pass
 
-    def run(i: int) -> None:
-        task_id = str(uuid.uuid4())
-        trace(task_id, (i,), {}, {"id": task_id, "delivery_info": {"routing_key": "celery"}})
+    def runs(task: Any) -> Callable[[int], None]:
+        trace = build_tracer(task.name, task, app=app, eager=False, propagate=True)
 
-    return run
+        def run(i: int) -> None:
+            task_id = str(uuid.uuid4())
+            trace(task_id, (i,), {}, {"id": task_id, "delivery_info": {"routing_key": "celery"}})
+
+        return run
+
+    return {_TASK_RUN: runs(locked), _TASK_BASE: runs(redis_py_locked)}
 
 
 def _left_behind(
@@ -337,6 +375,41 @@ class _BareSocket:
         for _round_trip in range(2):
             self.sock.sendall(b"*1\r\n$4\r\nPING\r\n")
             self.sock.recv(64)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class _MinimalLock:
+    """The least a correct lock cycle can cost a Python client: no library, no features.
+
+    A fresh random value, ``SET NX PX`` and redis-py's compare-and-delete
+    script, each reply checked, on a socket with a timeout (a lock client
+    must not hang on a frozen server: ``poll`` before each ``recv``). What
+    it costs above the bare pair is the floor of any lock; what a lock
+    costs above it is its own code.
+    """
+
+    def __init__(self, port: int, client: redis.Redis) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=5.0)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.release_sha = client.script_load(client.lock("x").LUA_RELEASE_SCRIPT).encode()
+
+    def __call__(self, i: int) -> None:
+        key, value = b"cycle:%d" % i, secrets.token_hex(16).encode()
+        head = b"$%d\r\n%s\r\n" % (len(key), key)
+        self.sock.sendall(
+            b"*6\r\n$3\r\nSET\r\n%s$32\r\n%s\r\n$2\r\nNX\r\n$2\r\nPX\r\n$5\r\n30000\r\n"
+            % (head, value)
+        )
+        if self.sock.recv(64) != b"+OK\r\n":
+            raise RuntimeError("the minimal lock's key was taken")
+        self.sock.sendall(
+            b"*5\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n$1\r\n1\r\n%s$32\r\n%s\r\n"
+            % (self.release_sha, head, value)
+        )
+        if self.sock.recv(64) != b":1\r\n":
+            raise RuntimeError("the minimal lock's release found another value")
 
     def close(self) -> None:
         self.sock.close()

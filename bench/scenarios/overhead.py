@@ -19,6 +19,9 @@ from bench.harness import (
 from bench.report import Report
 from tests.servers import RedisServer, wait_until
 
+#: Turns each contender takes per round.
+_CHUNKS = 5
+
 
 def per_task_overhead(report: Report, rounds: int, n: int, contenders: list[str]) -> None:
     broker, locks = RedisServer(), RedisServer()
@@ -41,12 +44,22 @@ def per_task_overhead(report: Report, rounds: int, n: int, contenders: list[str]
                         contenders[round_no % len(contenders) :]
                         + contenders[: round_no % len(contenders)]
                     )
-                    rates: dict[str, float] = {}
-                    cpu: dict[str, float] = {}
-                    for contender in order:
-                        before = worker_cpu(process.pid)
-                        rates[contender] = _drain(tasks, contender, n, counter, locks, round_no)
-                        cpu[contender] = (worker_cpu(process.pid) - before) / n * 1e6
+                    # Contenders take turns in chunks: the machine's speed drifts
+                    # within a round, and one contender's whole drain against
+                    # another's put the two-bare-round-trips floor above plain.
+                    chunk = max(n // _CHUNKS, 1)
+                    seconds = dict.fromkeys(contenders, 0.0)
+                    used = dict.fromkeys(contenders, 0.0)
+                    for chunk_no in range(_CHUNKS):
+                        for contender in order:
+                            before = worker_cpu(process.pid)
+                            batch = round_no * _CHUNKS + chunk_no
+                            rate = _drain(tasks, contender, chunk, counter, locks, batch)
+                            used[contender] += worker_cpu(process.pid) - before
+                            seconds[contender] += chunk / rate
+                    done = chunk * _CHUNKS
+                    rates = {c: done / seconds[c] for c in contenders}
+                    cpu = {c: used[c] / done * 1e6 for c in contenders}
                     for contender in contenders:
                         report.add(
                             scenario,

@@ -30,7 +30,6 @@ from celery_redislock.headers import (
 )
 from celery_redislock.keys import queued_key
 from celery_redislock.pending import PendingIndex
-from celery_redislock.policies import uses_handoff
 from celery_redislock.store import AcquireResult
 from celery_redislock.tokens import LockOwner, LockValue
 from celery_redislock.transport import ScriptCall
@@ -71,8 +70,9 @@ class LockAttempt:
             with contextlib.suppress(LockKeyError):
                 args, kwargs = as_received(args, kwargs, task.serializer, task.name)
         self.key = task.lock_key_for_received(args, kwargs, settings)
-        owner = LockOwner.current(request.id, request.retries or 0, request.hostname)
-        self.value = LockValue.new_encoded(owner, task.name)
+        self.value = LockValue.new_for_task(
+            request.id, request.retries or 0, request.hostname, task.name
+        )
         headers = request.headers or {}
         self.queued_token = queued_token(request)
         # A copy of this very call that parked (Celery's retry() copies the
@@ -108,8 +108,8 @@ class LockAttempt:
         #: This call may park: a copy of a call that parked (or may have: a
         #: lost reply, a redelivery) must learn whether another copy of the
         #: call already ran, and may hold the hand-off.
-        self.may_park = self.must_run or uses_handoff(
-            settings.beat_policy if self.from_beat else settings.policy
+        self.may_park = self.must_run or (
+            settings.beat_hands_off if self.from_beat else settings.hands_off
         )
         #: Its first acquire goes through PARK: so does every call of a task
         #: whose other calls may park (a beat call that skips): a key freed
@@ -117,8 +117,7 @@ class LockAttempt:
         #: (review helper-34 C1). Not with ``lock_min_replicas``: PARK sends
         #: no ``WAIT`` (helper-35), so such a call keeps the plain acquire.
         self.parks = self.may_park or (
-            not settings.min_replicas
-            and (uses_handoff(settings.policy) or uses_handoff(settings.beat_policy))
+            not settings.min_replicas and (settings.hands_off or settings.beat_hands_off)
         )
         self.handle: LockHandle | None = None
         #: An acquire was sent and its reply not (yet) read.

@@ -16,7 +16,7 @@ from celery_redislock import signals
 from celery_redislock._clock import clock
 from celery_redislock._process import current_pid
 from celery_redislock.exceptions import LockBackendError, LockNotOwned
-from celery_redislock.outcomes import ReleaseOutcome, RenewOutcome
+from celery_redislock.outcomes import RELEASE_NAMES, ReleaseOutcome, RenewOutcome
 from celery_redislock.protocol import RELEASE_RETRIED
 from celery_redislock.settings import validate_ttl
 
@@ -218,6 +218,20 @@ class Lease:
         ``RELEASE_RETRIED``): another holder may then follow our own release.
         """
         self._release_done = True
+        released = outcome is ReleaseOutcome.RELEASED
+        if not released:
+            self._report_not_released(outcome, resent)
+        signals.lock_released.send(
+            sender=self.sender,
+            key=self.key,
+            task_name=self.task_name,
+            task_id=self.task_id,
+            held=self.held_for,
+            outcome="kept" if kept and released else RELEASE_NAMES[outcome],
+        )
+
+    def _report_not_released(self, outcome: ReleaseOutcome, resent: bool) -> None:
+        """The release found the key gone or another's: log it, and report a loss that is news."""
         name, args = self._named()
         if outcome is ReleaseOutcome.NOT_OURS:
             logger.warning(
@@ -232,18 +246,10 @@ class Lease:
             )
         ambiguous = resent or RELEASE_RETRIED.get()
         reason = "stolen" if outcome is ReleaseOutcome.NOT_OURS else "gone"
-        if outcome is not ReleaseOutcome.RELEASED and not ambiguous and self._claim_loss(reason):
+        if not ambiguous and self._claim_loss(reason):
             # The abort callback (lock_on_lost="abort") is a no-op by now:
             # the execution finished before the release was sent.
             report_lost(self, reason, self._on_lost)
-        signals.lock_released.send(
-            sender=self.sender,
-            key=self.key,
-            task_name=self.task_name,
-            task_id=self.task_id,
-            held=self.held_for,
-            outcome="kept" if kept and outcome is ReleaseOutcome.RELEASED else outcome.name.lower(),
-        )
 
 
 #: What a renewer keeps alive (the name it has always had there).

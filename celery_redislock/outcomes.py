@@ -14,6 +14,8 @@ from celery_redislock.protocol import decode_text
 from celery_redislock.tokens import LockValue, without_mark
 
 __all__ = [
+    "RELEASE_NAMES",
+    "RELEASE_OUTCOMES",
     "AcquireResult",
     "ParkResult",
     "ReleaseOutcome",
@@ -32,6 +34,12 @@ class ReleaseOutcome(enum.Enum):
     RELEASED = 1
     ALREADY_GONE = 0
     NOT_OURS = -1
+
+
+#: ``ReleaseOutcome(reply)`` and each outcome's signal name, looked up
+#: without the enum's call (0.8 µs of every release).
+RELEASE_OUTCOMES = {outcome.value: outcome for outcome in ReleaseOutcome}
+RELEASE_NAMES = {outcome: outcome.name.lower() for outcome in ReleaseOutcome}
 
 
 class RenewOutcome(enum.Enum):

@@ -72,6 +72,10 @@ def native_lock() -> Any:
     return _allocate_native_lock()
 
 
+def _no_store() -> None:
+    """What a dead weak reference returns: the last store registered, before any."""
+
+
 class Renewer:
     """Keeps registered :class:`Renewable` objects alive from one thread."""
 
@@ -106,6 +110,7 @@ class Renewer:
         # Backends whose renewal connection this process has opened (or
         # queued for the thread to open); weak, so it keeps none alive.
         self._warm: weakref.WeakSet[LockStore] = weakref.WeakSet()
+        self._last_warm: Callable[[], LockStore | None] = _no_store
         # Weak: a store whose program dropped it before this thread came to
         # warm it must not be kept alive, nor connected, by the warming.
         self._to_warm: list[weakref.ref[LockStore]] = []
@@ -142,10 +147,17 @@ class Renewer:
             else:
                 self._handles[id(handle)] = handle
             self._idle_sleep = min(self._idle_sleep, handle.renew_period / 2)
-            cold = handle.backend not in self._warm
-            if cold:
-                self._warm.add(handle.backend)
-                self._to_warm.append(weakref.ref(handle.backend))
+            backend = handle.backend
+            # The store of the last lock registered, weakly: most locks of a
+            # process share one, and this skips the WeakSet's look-up (which
+            # makes a weak reference each time).
+            cold = False
+            if self._last_warm() is not backend:
+                cold = backend not in self._warm
+                if cold:
+                    self._warm.add(backend)
+                    self._to_warm.append(weakref.ref(backend))
+                self._last_warm = weakref.ref(backend)
             wake = cold or handle.renew_at < self._wake_at
             self._ensure_running()
         if wake:
@@ -153,9 +165,10 @@ class Renewer:
 
     def unregister(self, handle: Renewable) -> None:
         """Stop renewing ``handle``; a reply in flight for it is ignored."""
+        key = id(handle)
         with self._mutex:
-            self._handles.pop(id(handle), None)
-            self._scoped.pop(id(handle), None)
+            if self._handles.pop(key, None) is None or self._scoped:
+                self._scoped.pop(key, None)
 
     def abandon(self, backend: LockStore, key: str, value: str, ttl: float = 0.0) -> None:
         """A scoped handle was dropped while held: take its value back (within its ``ttl``).

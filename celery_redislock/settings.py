@@ -14,6 +14,7 @@ clients, so two apps in one process can use two lock stores.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery_redislock.clients import bounded_options
 from celery_redislock.handoff import publisher as handoff_publisher
-from celery_redislock.policies import ContentionPolicy, resolve_policy
+from celery_redislock.policies import ContentionPolicy, resolve_policy, uses_handoff
 from celery_redislock.setting_checks import (
     raise_for,
     resolve_settings,
@@ -238,6 +239,16 @@ class TaskSettings:
     limit: int = 1
     #: The store of the producer's calls (``delay()``), bounded by ``redislock_enqueue_timeout``.
     enqueue_backend: LockStore | None = field(default=None, compare=False, repr=False)
+
+    @functools.cached_property
+    def hands_off(self) -> bool:
+        """The contention policy parks calls (``HandOff``, or one composed with it)."""
+        return uses_handoff(self.policy)
+
+    @functools.cached_property
+    def beat_hands_off(self) -> bool:
+        """The beat calls' contention policy parks calls."""
+        return uses_handoff(self.beat_policy)
 
     @classmethod
     def merge(cls, task: Any, app: AppSettings) -> TaskSettings:

@@ -10,7 +10,7 @@ from redis.exceptions import RedisError
 from celery_redislock import scripts, slot_scripts
 from celery_redislock.exceptions import LockBackendError
 from celery_redislock.keys import fence_key, handoff_keys, release_channel, slot_keys
-from celery_redislock.outcomes import ReleaseOutcome
+from celery_redislock.outcomes import RELEASE_OUTCOMES, ReleaseOutcome
 from celery_redislock.protocol import (
     ReleaseAttempts,
     accepted,
@@ -125,7 +125,7 @@ class LockRelease(StoreConnections):
         if isinstance(reply, list):
             hand_off(self.on_handoff, key, reply)
             return ReleaseOutcome.RELEASED
-        return ReleaseOutcome(reply)
+        return RELEASE_OUTCOMES.get(reply) or ReleaseOutcome(reply)
 
     def do_release(
         self,
@@ -163,7 +163,14 @@ class LockRelease(StoreConnections):
 
         def make(endpoint: Endpoint) -> Callable[[Any], Any]:
             encoding = endpoint.encoding
-            first = scripts.RELEASE.exchange((key,), (match,), encoding) if lean else None
+            # Packed now unless DELIFEQ goes first (it checks the same
+            # arguments before anything is sent): on Valkey the script is
+            # needed only when DELIFEQ deleted nothing.
+            first = (
+                scripts.RELEASE.exchange((key,), (match,), encoding)
+                if lean and not self._native_release
+                else None
+            )
 
             def full(retry: bool) -> Callable[[Any], Any]:
                 keys, args = release_call(
@@ -172,7 +179,7 @@ class LockRelease(StoreConnections):
                 return scripts.RELEASE_FULL.exchange(keys, args, encoding)
 
             def script(retry: bool) -> Callable[[Any], Any]:
-                if retry or first is None:
+                if retry or not lean:
                     return full(retry)
 
                 def lean_first(connection: Any) -> Any:
@@ -187,7 +194,9 @@ class LockRelease(StoreConnections):
                             # Nothing deleted, and known: the script below only says why
                             # (gone, another's, ours waited for); it cannot delete.
                             attempts.answered()
-                    reply = first(connection)
+                    reply = (first or scripts.RELEASE.exchange((key,), (match,), encoding))(
+                        connection
+                    )
                     if reply == 2:  # someone waits behind us: hand over, wake them
                         attempts.answered()  # read, and it deleted nothing (helper-37)
                         attempts.start()  # the full release may run: its reply matters

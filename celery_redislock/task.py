@@ -50,12 +50,12 @@ from celery_redislock.keys import (
     custom_key,
     plain_parameter_names,
     task_key,
-    validate_lock_args,
 )
 from celery_redislock.lease import LockHandle
 from celery_redislock.policies import ContentionPolicy
 from celery_redislock.resend import CONTENTION_EVENT
 from celery_redislock.settings import AppSettings, TaskSettings, app_settings, validate_task_options
+from celery_redislock.validators import validate_lock_args
 
 __all__ = [
     "BACKEND_RETRIES_HEADER",

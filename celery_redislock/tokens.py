@@ -46,6 +46,7 @@ release still recognise its value.
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
 import os
 import re
@@ -97,6 +98,11 @@ def _text(value: str) -> str:
     if _UNCHANGED_BY_QUOTE(value) is not None:
         return value
     return quote(value, safe="@.-_:")
+
+
+#: :func:`_text` of the few names a process sees again and again (its host
+#: name, its task names); task ids, new each time, are not kept.
+_name_text = functools.lru_cache(maxsize=1024)(_text)
 
 
 #: Nonces drawn ahead, 64 per ``os.urandom`` call: one ``getrandom`` system
@@ -177,6 +183,30 @@ class LockValue:
     nonce: str
     task_name: str
     acquired_ms: int
+
+    @staticmethod
+    def new_for_task(
+        task_id: str | None, attempt: int, hostname: str | None, task_name: str
+    ) -> str:
+        """Return ``new_encoded(LockOwner.current(task_id, attempt, hostname), task_name)``.
+
+        Without the frozen owner object, the task name's and host's text
+        looked up once (measured: 2.5 µs against 1.3 µs per task).
+        """
+        if not task_id and not attempt and not hostname:
+            return LockValue.new_encoded(_standalone_owner(), task_name)
+        return _SEPARATOR.join(
+            (
+                _VERSION,
+                _text(task_id or ""),
+                str(attempt),
+                _name_text(hostname or socket.gethostname()),
+                str(current_pid()),
+                new_nonce(),
+                _name_text(task_name),
+                str(int(time.time() * 1000)),
+            )
+        )
 
     @classmethod
     def new(cls, owner: LockOwner, task_name: str) -> LockValue:

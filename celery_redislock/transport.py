@@ -154,9 +154,12 @@ class Endpoint:
         """
         connection = self._take()
         try:
-            result = self.retry.call_with_retry(
-                lambda: exchange(connection), lambda _error: connection.disconnect()
-            )
+            try:
+                result = exchange(connection)
+            except Exception as error:
+                # The retry policy takes over from the first failure on (so an
+                # exchange that succeeds builds none of it: 2 µs per exchange).
+                result = self._again(exchange, connection, error)
         except BaseException:
             connection.disconnect()
             # Disconnected, it is as good as new (the next use reconnects);
@@ -165,6 +168,22 @@ class Endpoint:
             raise
         self._keep(connection)
         return result
+
+    def _again(self, exchange: Callable[[Any], T], connection: Any, error: Exception) -> T:
+        """The exchange failed with ``error``: what :attr:`retry` does with that first failure.
+
+        Its first try re-raises ``error``, so the policy counts it, backs
+        off and disconnects as if it had run the exchange itself (an error
+        it does not retry propagates at once).
+        """
+        first: list[Exception] = [error]
+
+        def attempt() -> T:
+            if first:
+                raise first.pop()
+            return exchange(connection)
+
+        return self.retry.call_with_retry(attempt, lambda _error: connection.disconnect())
 
     def _keep(self, connection: Any) -> None:
         if self._pid == current_pid():

@@ -9,7 +9,8 @@ says what was probably meant.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import inspect
+from collections.abc import Iterable, Mapping, Sequence
 from difflib import get_close_matches
 from typing import Any
 
@@ -38,6 +39,7 @@ __all__ = [
     "validate_hold",
     "validate_key_prefix",
     "validate_limit",
+    "validate_lock_args",
     "validate_lost_mode",
     "validate_max_wait",
     "validate_policy",
@@ -330,3 +332,23 @@ def validate_store_class(value: Any, where: str) -> type[LockStore]:
 def validate_policy(value: Any, where: str) -> ContentionPolicy:
     """Return the policy ``value`` names (or is), else raise."""
     return resolve_policy(value, where)
+
+
+def validate_lock_args(signature: inspect.Signature, lock_args: Iterable[str], task: str) -> None:
+    """Check that every name in ``lock_args`` is a parameter of ``signature``.
+
+    Raises:
+        ConfigurationError: a name is unknown, or ``lock_args`` is a bare string.
+    """
+    if isinstance(lock_args, str):
+        raise ConfigurationError(
+            f"{task}: lock_args must be a sequence of parameter names, not the string "
+            f"{lock_args!r} (write lock_args=({lock_args!r},))"
+        )
+    unknown = [name for name in lock_args if name not in signature.parameters]
+    if unknown:
+        known = ", ".join(signature.parameters) or "no parameters"
+        raise ConfigurationError(
+            f"{task}: lock_args names {', '.join(map(repr, unknown))}, which the task's run() "
+            f"does not accept (it takes: {known})"
+        )

@@ -16,6 +16,7 @@ from kombu.utils.json import dumps, loads
 
 from celery_redislock import ConfigurationError, LockKeyError, SingletonTask
 from celery_redislock.keys import (
+    argument_digest,
     bind_lock_arguments,
     canonical_encoding,
     custom_key,
@@ -41,6 +42,28 @@ def test_key_format_has_prefix_task_name_and_hash_tag() -> None:
     assert (prefix, name) == ("p", "t")
     assert tag.startswith("{") and tag.endswith("}")
     assert len(tag) == 2 + 32  # 128-bit digest in hex
+
+
+@pytest.mark.parametrize(
+    ("task_name", "arguments", "digest"),
+    [
+        ("app.charge", {}, "410301a5cf5b2f38eb0042a2908a615d"),
+        ("app.charge", {"order_id": 7, "amount": 12.5}, "ee3d639f82741d730c032e6a2245e1a9"),
+        (
+            "tasks.\u00fc",
+            {"b": [1, "x", None, True], "a": {"k": (1, 2)}},
+            "c98f66ca8d2541d21e09befd11981040",
+        ),
+    ],
+)
+def test_a_call_keeps_the_key_every_earlier_release_gave_it(
+    task_name: str, arguments: dict[str, Any], digest: str
+) -> None:
+    # Workers of two releases share the keys during a rolling upgrade: any
+    # change to these digests needs a new KEY_FORMAT_VERSION. Twice: the
+    # second call of a task name takes the per-name shortcut.
+    assert argument_digest(task_name, arguments) == digest
+    assert argument_digest(task_name, arguments) == digest
 
 
 def test_call_shapes_of_one_logical_call_share_a_key() -> None:

@@ -154,12 +154,17 @@ class Endpoint:
         """
         connection = self._take()
         try:
+            failed: Exception | None = None
             try:
                 result = exchange(connection)
             except Exception as error:
+                failed = error
+            if failed is not None:
                 # The retry policy takes over from the first failure on (so an
-                # exchange that succeeds builds none of it: 2 µs per exchange).
-                result = self._again(exchange, connection, error)
+                # exchange that succeeds builds none of it: 2 µs per exchange),
+                # outside the ``except``: a later attempt's error is not
+                # chained to the first one's (review helper-38 F1).
+                result = self._again(exchange, connection, failed)
         except BaseException:
             connection.disconnect()
             # Disconnected, it is as good as new (the next use reconnects);

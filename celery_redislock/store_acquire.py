@@ -182,7 +182,7 @@ class LockAcquire(LockRelease):
             # checked before anything is sent); after a SET NX GET, only when
             # the key must be taken over (a free key never runs the script).
             scripted = None if set_nx else script.exchange((key,), args, encoding)
-            packed = pack_command(set_nx_get(key, value, ttl_ms), encoding) if set_nx else b""
+            packed = set_nx_get(key, value, ttl_ms, encoding) if set_nx else b""
             if packed and adopt:
                 pack_command(tuple(adopt), encoding)  # a TypeError for a bad one, before sending
 

@@ -22,7 +22,7 @@ from celery_redislock.protocol import (
     release_call,
 )
 from celery_redislock.store_connections import StoreConnections, _attempt, _Kind
-from celery_redislock.transport import Endpoint, pack_command, send_and_read
+from celery_redislock.transport import Endpoint, send_and_read
 
 __all__ = ["LockRelease"]
 
@@ -184,7 +184,7 @@ class LockRelease(StoreConnections):
 
                 def lean_first(connection: Any) -> Any:
                     if self._native_release:
-                        native = pack_command(native_release(key, match), encoding)
+                        native = native_release(key, match, encoding)
                         deleted = after_native_release(send_and_read(connection, native, 1)[0])
                         if deleted:
                             return 1

@@ -50,14 +50,12 @@ from redis.exceptions import (
 from redis.retry import Retry
 
 from celery_redislock._process import current_pid
+from celery_redislock.evalsha import Script, ScriptCall, scripts_exchange
 from celery_redislock.resp import (
     MasterDemoted,
-    Script,
-    ScriptCall,
     after_asking,
     pack_command,
     read_replies,
-    scripts_exchange,
     send_and_read,
 )
 

@@ -18,7 +18,7 @@ import redis
 import redis.asyncio
 import redis.sentinel
 
-from celery_redislock import AsyncRedisLock, RedisLock, lock_lost, resp, scripts
+from celery_redislock import AsyncRedisLock, RedisLock, evalsha, lock_lost, scripts
 from celery_redislock.store import LockStore, ReleaseOutcome
 from celery_redislock.tokens import WAITING
 from examples.server import embedded_binary
@@ -275,7 +275,7 @@ def test_a_loss_between_the_scripts_answer_and_the_hand_over_is_reported(
         reports.append(named["reason"])
 
     lock_lost.connect(on_lost, weak=False)
-    real = resp.send_and_read
+    real = evalsha.send_and_read
 
     def lose_after_the_lean_answer(connection: Any, packed: bytes, count: int) -> list[Any]:
         replies = real(connection, packed, count)
@@ -286,7 +286,7 @@ def test_a_loss_between_the_scripts_answer_and_the_hand_over_is_reported(
                 client.set(KEY, OTHER, px=30_000)
         return replies
 
-    monkeypatch.setattr(resp, "send_and_read", lose_after_the_lean_answer)
+    monkeypatch.setattr(evalsha, "send_and_read", lose_after_the_lean_answer)
     url = f"redis://nodelifeq:s3cret@127.0.0.1:{native_server.port}/0"
     store = LockStore(url)
     try:

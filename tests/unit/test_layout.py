@@ -30,6 +30,7 @@ LOWER_LAYERS = {
     "celery_redislock.aiostore",
     "celery_redislock.aiotransport",
     "celery_redislock.clients",
+    "celery_redislock.evalsha",
     "celery_redislock.exceptions",
     "celery_redislock.keys",
     "celery_redislock.outcomes",

@@ -34,7 +34,7 @@ else:  # pragma: no cover - Python 3.10
     from async_timeout import timeout as async_timeout  # type: ignore[import-not-found,no-redef,unused-ignore]
 
 from celery_redislock.evalsha import Script, evals_after_noscript, raise_error_reply
-from celery_redislock.resp import pack_command
+from celery_redislock.resp import pack_command, wire_encoding
 from celery_redislock.transport import connection_settings
 
 __all__ = [
@@ -182,7 +182,7 @@ class AsyncEndpoint:
     ) -> None:
         self._make = make_connection
         self.retries = retries
-        self.encoding = encoding
+        self.encoding = wire_encoding(encoding)
 
     def _idle_set(self) -> collections.deque[Any]:
         per_loop = _loop_connections()

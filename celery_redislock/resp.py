@@ -24,6 +24,8 @@ from redis.exceptions import (
     TimeoutError,
 )
 
+from celery_redislock.exceptions import ConfigurationError
+
 __all__ = [
     "MasterDemoted",
     "after_asking",
@@ -31,9 +33,28 @@ __all__ = [
     "pack_command",
     "read_replies",
     "send_and_read",
+    "wire_encoding",
 ]
 
 T = TypeVar("T")
+
+
+def wire_encoding(encoding: str) -> str:
+    """``encoding``, if it writes ASCII as ASCII (command names are sent as ASCII bytes).
+
+    Raises:
+        ConfigurationError: it does not (``utf-16``, ``utf-8-sig``), or is unknown.
+    """
+    try:
+        ascii_as_ascii = "SET|k".encode(encoding) == b"SET|k"
+    except LookupError:
+        ascii_as_ascii = False
+    if not ascii_as_ascii:
+        raise ConfigurationError(
+            f"the lock store's encoding {encoding!r} is unknown or does not write ASCII as "
+            "ASCII; Redis commands need an ASCII-compatible one (utf-8, the default)"
+        )
+    return encoding
 
 
 def pack_command(args: Sequence[Any], encoding: str = "utf-8") -> bytes:

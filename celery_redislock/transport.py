@@ -57,6 +57,7 @@ from celery_redislock.resp import (
     pack_command,
     read_replies,
     send_and_read,
+    wire_encoding,
 )
 
 try:  # redis-py >= 8
@@ -130,7 +131,7 @@ class Endpoint:
     ) -> None:
         self._make = make_connection
         self.retry = retry
-        self.encoding = encoding
+        self.encoding = wire_encoding(encoding)
         self._idle: collections.deque[Any] = collections.deque()
         self._pid = current_pid()
 

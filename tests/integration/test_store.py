@@ -192,6 +192,42 @@ def test_lock_scripts_on_other_client_shapes(
     assert lock_client.exists("clé".encode(encoding)) == 0
 
 
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-8-sig", "no-such-codec"])
+def test_an_encoding_that_does_not_write_ascii_as_ascii_is_refused_by_name(
+    server: RedisServer, lock_client: redis.Redis, encoding: str
+) -> None:
+    """Command names go out as ASCII bytes: such an encoding cannot talk to Redis.
+
+    Before, the acquire's ``SET`` went out with ASCII names and a UTF-16 key
+    (taken), then every release was refused: a lock held to its TTL
+    (review helper-39 F1). Now the store says why, and sends nothing.
+    """
+    import asyncio
+
+    from celery_redislock import ConfigurationError
+    from celery_redislock.aiostore import AsyncLockStore
+
+    store = LockStore(f"{server.url_for(LOCK_DB)}?encoding={encoding}")
+    with pytest.raises(ConfigurationError, match=encoding):
+        store.acquire("k", "v1", 5000)
+    store.close()
+
+    async def acquire_async() -> None:
+        import redis.asyncio
+
+        client = redis.asyncio.Redis.from_url(f"{server.url_for(LOCK_DB)}?encoding={encoding}")
+        async_store = AsyncLockStore(client)
+        try:
+            await async_store.acquire("k", "v1", 5000)
+        finally:
+            await async_store.aclose()
+            await client.aclose()
+
+    with pytest.raises(ConfigurationError, match=encoding):
+        asyncio.run(acquire_async())
+    assert lock_client.dbsize() == 0
+
+
 def test_direct_path_rejects_values_redis_cannot_take(
     backend: LockStore, lock_client: redis.Redis
 ) -> None:

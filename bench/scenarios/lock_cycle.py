@@ -314,7 +314,12 @@ def _task_runs(server: RedisServer) -> dict[str, Callable[[int], None]]:
 
         def run(i: int) -> None:
             task_id = str(uuid.uuid4())
-            trace(task_id, (i,), {}, {"id": task_id, "delivery_info": {"routing_key": "celery"}})
+            request = {
+                "id": task_id,
+                "hostname": "bench@localhost",  # a worker's node name, as its requests have
+                "delivery_info": {"routing_key": "celery"},
+            }
+            trace(task_id, (i,), {}, request)
 
         return run
 

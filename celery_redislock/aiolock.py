@@ -109,7 +109,7 @@ def take_back_async(store: AsyncLockStore, key: str, value: str, *, now: bool) -
     return first
 
 
-class AsyncRedisLock(StandaloneLock[AsyncLockHandle, AsyncLockStore]):
+class AsyncRedisLock(StandaloneLock[AsyncLockHandle, AsyncLockStore, redis.asyncio.Redis]):
     """A token-owned, renewed Redis lock for asyncio code (``redis.asyncio`` clients).
 
     The asyncio twin of :class:`~celery_redislock.RedisLock`::
@@ -141,23 +141,13 @@ class AsyncRedisLock(StandaloneLock[AsyncLockHandle, AsyncLockStore]):
         ConfigurationError: bad name, TTL or client.
     """
 
-    def __init__(
-        self,
-        client: redis.asyncio.Redis,
-        name: str,
-        ttl: float = 30.0,
-        renew: bool = True,
-        *,
-        blocking: bool = True,
-        timeout: float | None = None,
-        store: AsyncLockStore | None = None,
-        reentrant: bool = False,
-    ) -> None:
-        super().__init__(client, name, ttl, renew, blocking, timeout, store, reentrant)
-
     _kind, _owner_name = "AsyncRedisLock", "the running task"
     _holds, _owner = _HOLDS, staticmethod(task_owner)
     _shared_store = staticmethod(AsyncLockStore.for_client)
+    _take_back = staticmethod(take_back_async)
+
+    def _start_renewal(self, handle: AsyncLockHandle, scoped: bool) -> None:
+        handle.start_renewal()  # the loop's renewer task holds its handles strongly
 
     async def fence(self) -> int:
         """Fencing token of the current (outermost) acquisition, issued on first call.
@@ -216,42 +206,23 @@ class AsyncRedisLock(StandaloneLock[AsyncLockHandle, AsyncLockStore]):
                 if result.acquired:
                     break
             if not result.acquired:
-                self._contended(result)
-                return False
+                return self._contended(result)
             handle = AsyncLockHandle(
-                self.backend,
-                self.name,
-                value,
-                self.ttl,
-                result.sent_at,
-                sender=self,
-                fence=None,
+                self.backend, self.name, value, self.ttl, result.sent_at, sender=self, fence=None
             )
-            self._keep(handle, owner)
-            if self.renew:
-                handle.start_renewal()
-            self._announce(adopt, started, None)
-        except LockBackendError:
-            # Redis answered too late: the script may still run. The next
-            # acquire of this name takes the value over; else it is taken back.
-            _note_unsettled(self.backend, self.name, value)
-            take_back_async(self.backend, self.name, value, now=False)
-            raise
-        except BaseException:
-            # Cancelled (or interrupted) with the outcome unknown: our value
-            # may be in Redis and nobody would release it. Take exactly that
-            # value back before re-raising (a second cancellation cuts only
-            # the wait, not the take-back).
-            self.handle = None
-            if self.reentrant and handle is not None:
-                self._holds.remove(self.backend, self.name, owner, handle)
-            if handle is not None:
-                handle.released = True
-                handle._stop_renewal()
-            _note_unsettled(self.backend, self.name, value)
-            first = take_back_async(self.backend, self.name, value, now=True)
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.wait({first}, timeout=_FIRST_TAKE_BACK_WAIT)
+            self._granted(handle, owner, adopt, started, None)
+        except BaseException as error:
+            # Cancelled (or interrupted): take exactly that value back before
+            # re-raising (a second cancellation cuts only the wait, not the
+            # take-back).
+            if self._failed(error, handle, owner, value):
+                if handle is not None:
+                    handle.released = True
+                    handle._stop_renewal()
+                _note_unsettled(self.backend, self.name, value)
+                first = take_back_async(self.backend, self.name, value, now=True)
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait({first}, timeout=_FIRST_TAKE_BACK_WAIT)
             raise
         return True
 

@@ -14,7 +14,7 @@ import redis
 from celery_redislock.exceptions import LockBackendError, LockContended, LockNotOwned
 from celery_redislock.lease import LockHandle, release_completely
 from celery_redislock.outcomes import ReleaseOutcome
-from celery_redislock.owners import Hold, Holds, thread_owner
+from celery_redislock.owners import Holds, thread_owner
 from celery_redislock.standalone import _UNSETTLED as _UNSETTLED  # imported from here
 from celery_redislock.standalone import StandaloneLock, _note_unsettled, blocking_waits
 from celery_redislock.store import LockStore
@@ -30,7 +30,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 _HOLDS: Holds[LockHandle] = Holds()
 
 
-class RedisLock(StandaloneLock[LockHandle, LockStore]):
+class RedisLock(StandaloneLock[LockHandle, LockStore, redis.Redis]):
     """A token-owned, renewed Redis lock for code outside Celery tasks.
 
     It uses the same scripts and the same renewer as the task lock::
@@ -68,22 +68,12 @@ class RedisLock(StandaloneLock[LockHandle, LockStore]):
             Another thread's release or extend raises ``LockNotOwned``.
     """
 
-    def __init__(
-        self,
-        client: redis.Redis,
-        name: str,
-        ttl: float = 30.0,
-        renew: bool = True,
-        *,
-        blocking: bool = True,
-        timeout: float | None = None,
-        store: LockStore | None = None,
-        reentrant: bool = False,
-    ) -> None:
-        super().__init__(client, name, ttl, renew, blocking, timeout, store, reentrant)
-
     _holds, _owner = _HOLDS, staticmethod(thread_owner)
     _shared_store = staticmethod(LockStore.for_client)
+    _take_back = staticmethod(take_back_value)
+
+    def _start_renewal(self, handle: LockHandle, scoped: bool) -> None:
+        handle.start_renewal(scoped)
 
     @property
     def fence(self) -> int | None:
@@ -115,22 +105,16 @@ class RedisLock(StandaloneLock[LockHandle, LockStore]):
         """
         return self._acquire(blocking, timeout, scoped=False)
 
-    def _acquire_nested(self, hold: Hold[LockHandle]) -> bool:
-        self._check_nested(hold)
-        hold.handle.extend()  # still ours? (raises LockNotOwned, marked lost, if not)
-        hold.depth += 1
-        return True
-
     def _acquire(self, blocking: bool | None, timeout: float | None, scoped: bool) -> bool:
         owner: object = None
         if self.reentrant:
             owner = thread_owner()
             hold = self._holds.get(self.backend, self.name, owner)
             if hold is not None:
-                return self._acquire_nested(hold)
-            # The renewer holds it strongly: the hold, not this object, keeps
-            # it (another RedisLock of the same name may release it).
-            scoped = False
+                self._check_nested(hold)
+                hold.handle.extend()  # still ours? (raises LockNotOwned, marked lost, if not)
+                hold.depth += 1
+                return True
         blocking, timeout, value, ttl_ms, started, adopt = self._new_try(blocking, timeout)
         handle: LockHandle | None = None
         try:
@@ -140,48 +124,23 @@ class RedisLock(StandaloneLock[LockHandle, LockStore]):
                 if result.acquired:
                     break
             if not result.acquired:
-                self._contended(result)
-                return False
+                return self._contended(result)
+            # Registered with the renewer only once kept where the release finds it.
             handle = LockHandle(
-                self.backend,
-                self.name,
-                value,
-                self.ttl,
-                result.sent_at,
-                task_name=self.name,
-                task_id=None,
-                sender=self,
-                renew=False,
-                fence=result.fence,
-            )
-            self._keep(handle, owner)
-            if self.renew:
-                handle.start_renewal(scoped)
-            self._announce(adopt, started, result.fence)
-        except LockBackendError:
-            # A timeout is not a refusal: the script may still run once Redis
-            # answers. The next acquire of this name in this process takes
-            # that value over instead of waiting out its TTL.
-            _note_unsettled(self.backend, self.name, value)
-            # And if none comes, it is taken back in the background.
-            take_back_value(self.backend, self.name, value, now=False)
-            raise
-        except BaseException:
-            # Interrupted with the outcome unknown (between sending the
-            # acquire and reading its reply, or before returning): our value
-            # may be in Redis, and the caller will not release what acquire()
-            # did not report. Take it back out, then re-raise.
-            self.handle = None
-            if self.reentrant and handle is not None:
-                self._holds.remove(self.backend, self.name, owner, handle)
-            if handle is not None:
-                release_completely(handle.release)
-            else:
-                # In case the script runs after this release:
-                _note_unsettled(self.backend, self.name, value)
-                with contextlib.suppress(LockBackendError):
-                    release_completely(lambda: self.backend.release(self.name, value))
-                take_back_value(self.backend, self.name, value, now=False)
+                self.backend, self.name, value, self.ttl, result.sent_at, task_name=self.name,
+                task_id=None, sender=self, renew=False, fence=result.fence,
+            )  # fmt: skip
+            self._granted(handle, owner, adopt, started, result.fence, scoped)
+        except BaseException as error:
+            if self._failed(error, handle, owner, value):
+                if handle is not None:
+                    release_completely(handle.release)
+                else:
+                    # In case the acquire runs after this release:
+                    _note_unsettled(self.backend, self.name, value)
+                    with contextlib.suppress(LockBackendError):
+                        release_completely(lambda: self.backend.release(self.name, value))
+                    take_back_value(self.backend, self.name, value, now=False)
             raise
         return True
 

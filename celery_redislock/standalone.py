@@ -1,8 +1,10 @@
 """What the standalone locks share: arguments, reentrant holds, contention, a grant's bookkeeping.
 
-``RedisLock`` and ``AsyncRedisLock`` are both a :class:`StandaloneLock`;
-their modules do the I/O and keep each its own acquire and release path
-(whose every line the tests interrupt).
+``RedisLock`` and ``AsyncRedisLock`` are both a :class:`StandaloneLock`.
+What an acquire's outcome means (granted, contended, unanswered,
+interrupted) is decided here once; their modules are the drivers: each
+does the I/O between those steps in its own try block and gives a value
+back its own way (the tests interrupt every line of both).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any, Generic, TypeVar
 
 from celery_redislock import signals
 from celery_redislock._clock import clock
-from celery_redislock.exceptions import ConfigurationError, LockNotOwned
+from celery_redislock.exceptions import ConfigurationError, LockBackendError, LockNotOwned
 from celery_redislock.leasing import Lease
 from celery_redislock.outcomes import AcquireResult
 from celery_redislock.owners import Hold, Holds
@@ -26,6 +28,7 @@ __all__ = ["StandaloneLock", "blocking_waits"]
 
 H = TypeVar("H", bound=Lease)
 S = TypeVar("S")
+C = TypeVar("C")
 L = TypeVar("L")
 
 # Values this process's standalone locks sent in acquires that timed out,
@@ -85,8 +88,8 @@ def blocking_waits(result: AcquireResult, blocking: bool, timeout: float | None)
         yield 60.0
 
 
-class StandaloneLock(Generic[H, S]):
-    """The state and bookkeeping of a standalone lock (``H``: its handle, ``S``: its store)."""
+class StandaloneLock(Generic[H, S, C]):
+    """A standalone lock's state and bookkeeping (``H``: handle, ``S``: store, ``C``: client)."""
 
     #: The class's name in messages.
     _kind = "RedisLock"
@@ -98,17 +101,20 @@ class StandaloneLock(Generic[H, S]):
     _owner: Callable[[], object]
     #: The store shared by every lock on a client's connection pool.
     _shared_store: Callable[[Any], S]
+    #: Takes a value back in the background: ``(store, name, value, now=...)``.
+    _take_back: Callable[..., Any]
 
     def __init__(
         self,
-        client: Any,
+        client: C,
         name: str,
-        ttl: float,
-        renew: bool,
-        blocking: bool,
-        timeout: float | None,
-        store: S | None,
-        reentrant: bool,
+        ttl: float = 30.0,
+        renew: bool = True,
+        *,
+        blocking: bool = True,
+        timeout: float | None = None,
+        store: S | None = None,
+        reentrant: bool = False,
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ConfigurationError(f"{self._kind} name must be a non-empty str, got {name!r}")
@@ -208,15 +214,32 @@ class StandaloneLock(Generic[H, S]):
             _unsettled(self.backend, self.name),
         )
 
-    def _keep(self, handle: H, owner: object) -> None:
-        """Record a granted acquisition (reentrant: as ``owner``'s outermost hold)."""
+    # What an outermost acquire's outcome means, decided here once; the
+    # drivers (lock.py, aiolock.py) do the I/O between these steps, each in
+    # its own try block, so an interruption anywhere is theirs to undo.
+
+    def _granted(
+        self,
+        handle: H,
+        owner: object,
+        adopt: tuple[str, ...],
+        started: float,
+        fence: int | None,
+        scoped: bool = False,
+    ) -> None:
+        """Keep a granted acquisition, renew it, forget what it took over, announce it.
+
+        The driver assigned ``handle`` to its own variable first: an
+        interruption in here leaves it something to release.
+        """
         if self.reentrant:
             self._holds.add(self.backend, self.name, owner, handle)
         else:
             self.handle = handle
-
-    def _announce(self, adopt: tuple[str, ...], started: float, fence: int | None) -> None:
-        """After a grant: forget the values it took over, send ``lock_acquired``."""
+        if self.renew:
+            # A reentrant hold, not this object, keeps the handle (another
+            # lock of the name may release it): the renewer holds it strongly.
+            self._start_renewal(handle, scoped and not self.reentrant)
         if adopt:
             _settle(self.backend, self.name, adopt)
         signals.lock_acquired.send(
@@ -228,7 +251,12 @@ class StandaloneLock(Generic[H, S]):
             fence=fence,
         )
 
-    def _contended(self, result: AcquireResult) -> None:
+    def _start_renewal(self, handle: H, scoped: bool) -> None:
+        """Hand a granted acquisition to the renewer (``scoped``: held weakly, see lease.py)."""
+        raise NotImplementedError
+
+    def _contended(self, result: AcquireResult) -> bool:
+        """Not acquired: send ``lock_contended``, remember who holds it; False."""
         signals.lock_contended.send(
             sender=self,
             key=self.name,
@@ -239,6 +267,29 @@ class StandaloneLock(Generic[H, S]):
             policy="not_acquired",
         )
         self._last_contention = result
+        return False
+
+    def _failed(self, error: BaseException, handle: H | None, owner: object, value: str) -> bool:
+        """An outermost acquire of ``value`` raised ``error``: must the driver give it back now?
+
+        Redis answering too late (``LockBackendError`` before a grant) is not
+        a refusal: the command may still run. The next acquire of this name
+        in this process takes ``value`` over instead of waiting out its TTL;
+        if none comes, it is taken back in the background. Anything else
+        (an interruption between sending the acquire and reading its reply,
+        or after the grant, before returning) leaves the outcome unknown:
+        the caller will not release what acquire() did not report, so this
+        acquisition is forgotten and the driver takes its value back out
+        (``handle``: granted, release it) before re-raising.
+        """
+        if handle is None and isinstance(error, LockBackendError):
+            _note_unsettled(self.backend, self.name, value)
+            self._take_back(self.backend, self.name, value, now=False)
+            return False
+        self.handle = None
+        if self.reentrant and handle is not None:
+            self._holds.remove(self.backend, self.name, owner, handle)
+        return True
 
     def _copy(self, make: Callable[..., L]) -> L:
         """A fresh lock with this one's settings (one per decorated call)."""

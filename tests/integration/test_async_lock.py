@@ -94,8 +94,13 @@ def test_non_blocking_and_timed_out_acquires(server: RedisServer) -> None:
 
 
 def test_a_waiter_is_woken_by_the_release_not_by_polling(
-    server: RedisServer, lock_client: redis.Redis
+    redis_server_factory: Callable[..., RedisServer],
 ) -> None:
+    # A server of its own: the commands counted are this test's alone (an
+    # earlier test's background take-backs run on the shared one for a minute).
+    server = redis_server_factory()
+    lock_client = server.client(LOCK_DB)
+
     async def body(client: redis.asyncio.Redis) -> float:
         holder = AsyncRedisLock(client, "a:wake", ttl=30)
         assert await holder.acquire()

@@ -28,7 +28,7 @@ from celery_redislock.headers import (
     queued_token,
     request_header,
 )
-from celery_redislock.keys import queued_key
+from celery_redislock.key_family import family_of
 from celery_redislock.pending import PendingIndex
 from celery_redislock.store import AcquireResult
 from celery_redislock.tokens import LockOwner, LockValue
@@ -87,7 +87,7 @@ class LockAttempt:
         #: A coalesced run's queued key and value, freed when it is granted.
         self.queued_slot: tuple[str, str] | None = None
         if settings.coalesce and self.queued_token:
-            self.queued_slot = (queued_key(self.key), self.queued_token)
+            self.queued_slot = (family_of(self.key).queued, self.queued_token)
         self.adopt = [
             *([self.queued_token] if self.queued_token and not self.queued_slot else []),
             *([self.handoff] if self.handoff else []),

@@ -24,7 +24,7 @@ from typing import Any
 
 from celery import Celery
 
-from celery_redislock.keys import split_slot
+from celery_redislock.key_family import split_slot
 from celery_redislock.settings import AppSettings, TaskSettings, app_settings
 from celery_redislock.store import ReleaseOutcome
 from celery_redislock.tokens import KEPT_HOST, PARKED_HOST, QUEUED_HOST, LockValue

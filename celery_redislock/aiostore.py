@@ -36,7 +36,7 @@ from celery_redislock.aiotransport import (
     send_and_read,
 )
 from celery_redislock.exceptions import ConfigurationError
-from celery_redislock.keys import fence_key, release_channel
+from celery_redislock.key_family import family_of
 from celery_redislock.outcomes import (
     AcquireResult,
     ReleaseOutcome,
@@ -181,7 +181,7 @@ class AsyncLockStore:
 
     async def fence(self, key: str, value: str) -> int | None:
         """Issue a fence to the holder of ``value``; see :meth:`LockStore.fence`."""
-        keys, args = (key, fence_key(key)), (value, self.fence_ttl_ms)
+        keys, args = (key, family_of(key).fence), (value, self.fence_ttl_ms)
         async with self._errors("fence", key):
             reply = await self.commands.run(
                 script_exchange(scripts.FENCE, keys, args, self.commands.encoding)
@@ -207,7 +207,7 @@ class AsyncLockStore:
             while True:
                 subscribed = False
                 try:
-                    async with AsyncSubscription(self.commands, release_channel(key)) as sub:
+                    async with AsyncSubscription(self.commands, family_of(key).channel) as sub:
                         subscribed = True
                         while True:
                             result = await self.acquire(key, value, ttl_ms, adopt, waiting=True)

@@ -27,7 +27,7 @@ from celery_redislock.headers import (
     as_received,
     seconds_until,
 )
-from celery_redislock.keys import queued_key
+from celery_redislock.key_family import family_of
 from celery_redislock.pending import Member, RevocableCall
 from celery_redislock.resend import moved_expiry, signal_contention
 from celery_redislock.store import AcquireResult, LockStore
@@ -128,7 +128,7 @@ def publish_once(
         # Held only until the run starts: the worker frees this key in the
         # round trip that grants it the lock, so a later call publishes the
         # next run instead of joining one that may have read stale data.
-        key = queued_key(lock_key)
+        key = family_of(lock_key).queued
 
     def take(adopt: str = "") -> AcquireResult:
         if settings.coalesce:

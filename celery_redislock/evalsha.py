@@ -46,8 +46,10 @@ class Script:
 
     def pack_evalsha(self, keys: Sequence[str], args: Sequence[Any], encoding: str) -> bytes:
         """The packed ``EVALSHA`` command running the script on ``keys`` and ``args``."""
-        if len(keys) == 1 and len(args) == 1 and type(keys[0]) is type(args[0]) is str:
-            # A plain release (key, value): one format (0.6 µs, not 1.4).
+        if len(keys) == 1 and len(args) == 1 and isinstance(keys[0], str) and type(args[0]) is str:
+            # A plain release (key, value): one format (0.6 µs, not 1.4). The
+            # key may be its family (a str subclass), encoded as the general
+            # packer encodes it.
             key, value = keys[0].encode(encoding), args[0].encode(encoding)
             return self._one_key_one_arg % (len(key), key, len(value), value)
         return b"*%d\r\n%s%s" % (

@@ -37,16 +37,8 @@ from urllib.parse import quote, unquote
 
 from redis.exceptions import RedisError
 
-from celery_redislock.keys import (
-    debounce_key,
-    fence_key,
-    handoff_keys,
-    next_run_key,
-    pending_keys,
-    queued_key,
-    revocable_key,
-    slot_keys,
-)
+from celery_redislock.key_family import family_of
+from celery_redislock.keys import pending_keys, revocable_key
 from celery_redislock.pending_scripts import (
     DUE,
     FORGET_DEBOUNCED,
@@ -253,8 +245,9 @@ class PendingIndex:
 
         A retry after a lost reply asks for the hand-over the lost reply was.
         """
-        waiters, parked, _ = handoff_keys(key)
-        keys = (*slot_keys(key, limit), waiters, parked, fence_key(key))
+        family = family_of(key)
+        waiters, parked, _ = family.handoff
+        keys = (*family.slots(limit), waiters, parked, family.fence)
         first = (REAP_PARKED, keys, (handoff_ttl_ms, fence_ttl_ms, ""))
         again = (REAP_PARKED, keys, (handoff_ttl_ms, fence_ttl_ms, "1"))
         try:
@@ -265,14 +258,16 @@ class PendingIndex:
 
     def reap_queued(self, key: str, task_id: str, ran_ttl_ms: int) -> Reaped:
         """A copy of ``key``'s coalesced run if it is overdue (see ``REAP_QUEUED_SCRIPT``)."""
-        _, parked, ran = handoff_keys(key)
-        keys = (queued_key(key), next_run_key(key), ran, parked)
+        family = family_of(key)
+        _, parked, ran = family.handoff
+        keys = (family.queued, family.next_run, ran, parked)
         (reply,) = self._run([(REAP_QUEUED, keys, (ran_ttl_ms, task_id))], "sweep")
         return _reaped(reply)
 
     def reap_debounced(self, key: str, ran_ttl_ms: int) -> Reaped:
         """A copy of ``key``'s debounced run if it is overdue (see ``REAP_DEBOUNCED_SCRIPT``)."""
-        keys = (debounce_key(key), handoff_keys(key)[2])
+        family = family_of(key)
+        keys = (family.debounce, family.handoff[2])
         (reply,) = self._run([(REAP_DEBOUNCED, keys, (ran_ttl_ms,))], "sweep")
         return _reaped(reply)
 
@@ -287,14 +282,15 @@ class PendingIndex:
         """
         if not self.store.single_server:
             return None
-        keys = (self.index, queued_key(key), handoff_keys(key)[1])
+        family = family_of(key)
+        keys = (self.index, family.queued, family.handoff[1])
         return FORGET_QUEUED, keys, (Member.queued(key, task_id), token, handoff)
 
     def forget_debounced_call(self, key: str) -> ScriptCall | None:
         """As :meth:`forget_queued_call`, for a key whose debounced run started."""
         if not self.store.single_server:
             return None
-        keys = (self.index, debounce_key(key))
+        keys = (self.index, family_of(key).debounce)
         return FORGET_DEBOUNCED, keys, (Member.debounced(key),)
 
     def queue_run(
@@ -326,7 +322,7 @@ class PendingIndex:
         """
         call = (
             QUEUE_RUN,
-            (queued_key(key), next_run_key(key)),
+            (family_of(key).queued, family_of(key).next_run),
             (
                 token,
                 ttl_ms,
@@ -362,8 +358,9 @@ class PendingIndex:
         Raises:
             LockBackendError: the store is unreachable or refused the script.
         """
-        _, parked, ran = handoff_keys(key)
-        keys = (queued_key(key), next_run_key(key), ran, parked)
+        family = family_of(key)
+        _, parked, ran = family.handoff
+        keys = (family.queued, family.next_run, ran, parked)
         call = (WITHDRAW_RUN, keys, (token, task_id, handoff))
         try:
             return int(self.store.run_scripts([call])[0]) == 1

@@ -34,7 +34,7 @@ from typing import Any
 from redis.exceptions import RedisError, ResponseError
 
 from celery_redislock.exceptions import LockBackendError
-from celery_redislock.keys import fence_key, handoff_keys, release_channel
+from celery_redislock.key_family import family_of
 from celery_redislock.resp import pack_command
 from celery_redislock.tokens import without_mark
 
@@ -91,7 +91,8 @@ _DELIFEQ = b"*3\r\n$7\r\nDELIFEQ\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n"
 
 def set_nx_get(key: str, value: str, ttl_ms: int, encoding: str) -> bytes:
     """The command that takes a free key and says who holds a taken one, packed."""
-    if type(key) is not str or type(value) is not str or type(ttl_ms) is not int:
+    # A key may be its family (a str subclass): encoded as the general packer does.
+    if not isinstance(key, str) or type(value) is not str or type(ttl_ms) is not int:
         # The general packer names what cannot be sent (a float TTL).
         return pack_command(("SET", key, value, "NX", "PX", ttl_ms, "GET"), encoding)
     key_bytes, value_bytes, ttl = key.encode(encoding), value.encode(encoding), b"%d" % ttl_ms
@@ -108,7 +109,7 @@ def native_release(key: str, value: str, encoding: str) -> bytes:
 
     No script runs: the server's cost of a ``DEL``.
     """
-    if type(key) is not str or type(value) is not str:
+    if not isinstance(key, str) or type(value) is not str:
         return pack_command(("DELIFEQ", key, value), encoding)
     key_bytes, value_bytes = key.encode(encoding), value.encode(encoding)
     return _DELIFEQ % (len(key_bytes), key_bytes, len(value_bytes), value_bytes)
@@ -300,18 +301,19 @@ def release_call(
 
     ``retry``: the release is sent again after its reply was lost.
     """
-    waiters, parked, _ = handoff_keys(key)
+    family = family_of(key)
+    waiters, parked, _ = family.handoff
     args = (
         match,
         mode,
-        release_channel(key),
+        family.channel,
         keep,
         max(keep_ms, 1),
         handoff_ttl_ms,
         fence_ttl_ms,
         "1" if retry else "",
     )
-    return (key, waiters, parked, fence_key(key)), args
+    return (key, waiters, parked, family.fence), args
 
 
 RenewItem = tuple[str, str, int] | tuple[str, str, int, bool]
@@ -324,7 +326,7 @@ def renew_call(chunk: Sequence[RenewItem], fence_ttl_ms: int) -> tuple[list[str]
     """
     keys = [item[0] for item in chunk]
     fenced = [len(item) > 3 and bool(item[3]) for item in chunk]
-    keys += [fence_key(item[0]) for item, flag in zip(chunk, fenced, strict=True) if flag]
+    keys += [family_of(item[0]).fence for item, flag in zip(chunk, fenced, strict=True) if flag]
     args: list[Any] = [item[1] for item in chunk] + [item[2] for item in chunk]
     args += ["1" if flag else "" for flag in fenced]
     args.append(fence_ttl_ms)

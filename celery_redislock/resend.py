@@ -86,7 +86,7 @@ def send_contention_event(task: LockedTask, key: str, holder: str | None, policy
             CONTENTION_EVENT,
             retry=False,
             name=task.name,  # it may reach a monitor before task-received (Flower labels by it)
-            redislock_key=key,
+            redislock_key=str(key),  # a plain str for any event serializer (yaml: exact types)
             redislock_holder=holder,
             redislock_policy=policy,
         )

@@ -42,7 +42,7 @@ from celery_redislock.headers import (
     queued_token,
     request_header,
 )
-from celery_redislock.keys import queued_key
+from celery_redislock.key_family import family_of
 from celery_redislock.settings import app_settings
 from celery_redislock.startup import uses_redislock
 from celery_redislock.task import SingletonTaskMixin
@@ -66,7 +66,7 @@ def release_queued_lock(
     settings = task.lock_settings()
     if settings.enabled:
         key = task.lock_key_for_received(args, kwargs or {}, settings)
-        settings.backend.release(queued_key(key) if settings.coalesce else key, token)
+        settings.backend.release(family_of(key).queued if settings.coalesce else key, token)
 
 
 def _forget_revoked_burst(task: SingletonTaskMixin, request: Any) -> None:
@@ -242,7 +242,7 @@ def _give_back_recorded(app: Any, task_id: str) -> None:
     if record.debounced:
         (task_settings.enqueue_backend or store).debounce_due(record.key, task_id, forget=True)
     if record.token is not None:
-        key = queued_key(record.key) if task_settings.coalesce else record.key
+        key = family_of(record.key).queued if task_settings.coalesce else record.key
         task_settings.backend.release(key, record.token)
     index.forget_revocable(task_id)
     logger.info("gave back the keys of revoked %s[%s] (held by the broker)", task.name, task_id)

@@ -24,7 +24,7 @@ from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
 from celery_redislock import scripts
 from celery_redislock.exceptions import LockBackendError, LockStoreRefused
-from celery_redislock.keys import NOT_LOCK_SUFFIXES, fence_key
+from celery_redislock.key_family import NOT_LOCK_SUFFIXES, family_of
 from celery_redislock.outcomes import AcquireResult, ParkResult, ReleaseOutcome, RenewOutcome
 from celery_redislock.protocol import (
     RENEW_CHUNK_SIZE,
@@ -252,7 +252,7 @@ class LockStore(LockParking):
                 commands: list[tuple[str, str]] = []
                 for index in indices:
                     key = keys[index]
-                    commands += [("GET", key), ("PTTL", key), ("GET", fence_key(key))]
+                    commands += [("GET", key), ("PTTL", key), ("GET", family_of(key).fence)]
                 replies = [_not_a_string(reply) for reply in endpoint.pipeline(commands)]
                 for error in replies:
                     if isinstance(error, ResponseError):

@@ -16,7 +16,7 @@ from redis.exceptions import (
 
 from celery_redislock import scripts
 from celery_redislock._clock import clock
-from celery_redislock.keys import fence_key
+from celery_redislock.key_family import family_of
 from celery_redislock.outcomes import AcquireResult, RenewOutcome, held_by
 from celery_redislock.protocol import (
     RENEW_CHUNK_SIZE,
@@ -113,7 +113,7 @@ class LockAcquire(LockRelease):
         Raises:
             LockBackendError: Redis is unreachable or refused the script.
         """
-        call = (scripts.FENCE, (key, fence_key(key)), (value, self.fence_ttl_ms))
+        call = (scripts.FENCE, (key, family_of(key).fence), (value, self.fence_ttl_ms))
         with self._errors("fence", key):
             reply = self._topology(_Kind.COMMANDS).run_for_key(key, _script_runner(call))
         return int(reply[1]) if int(reply[0]) == 1 else None

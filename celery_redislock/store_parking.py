@@ -7,15 +7,7 @@ from typing import Any
 
 from celery_redislock import debounce_scripts, park_scripts
 from celery_redislock._clock import clock
-from celery_redislock.keys import (
-    debounce_key,
-    fence_key,
-    handoff_keys,
-    next_run_key,
-    release_channel,
-    slot_keys,
-)
-from celery_redislock.keys import queued_key as queued_key_of
+from celery_redislock.key_family import family_of
 from celery_redislock.outcomes import AcquireResult, ParkResult, held_by
 from celery_redislock.protocol import decode_text, hand_off
 from celery_redislock.store_connections import _Kind
@@ -77,9 +69,10 @@ class LockParking(LockSlotsAndWaits):
         Raises:
             LockBackendError: Redis is unreachable or refused the script.
         """
-        queued_at, queued_value = queued or (queued_key_of(key), "")
-        slots = slot_keys(key, limit)
-        keys = (*slots, fence_key(key), *handoff_keys(key), queued_at, next_run_key(key))
+        family = family_of(key)
+        queued_at, queued_value = queued or (family.queued, "")
+        slots = family.slots(limit)
+        keys = (*slots, family.fence, *family.handoff, queued_at, family.next_run)
         args = (
             value,
             ttl_ms,
@@ -119,13 +112,14 @@ class LockParking(LockSlotsAndWaits):
         Raises:
             LockBackendError: Redis is unreachable or refused the script.
         """
-        keys = (*slot_keys(key, limit), *handoff_keys(key), fence_key(key))
+        family = family_of(key)
+        keys = (*family.slots(limit), *family.handoff, family.fence)
         args = (
             handoff,
             "withdrawn",
             park_ttl_ms,
             self.handoff_ttl_ms,
-            release_channel(key),
+            family.channel,
             self.fence_ttl_ms,
         )
         with self._errors("withdraw", key):
@@ -160,7 +154,7 @@ class LockParking(LockSlotsAndWaits):
         ttl_ms = max(max_wait_ms + window_ms, delay_ms) + grace_ms + 60_000
         call = (
             debounce_scripts.DEBOUNCE,
-            (debounce_key(key),),
+            (family_of(key).debounce,),
             (task_id, window_ms, max_wait_ms, ttl_ms, message, handoff, delay_ms, grace_ms),
         )
         with self._errors("debounce", key):
@@ -183,7 +177,7 @@ class LockParking(LockSlotsAndWaits):
         """
         call = (
             debounce_scripts.DEBOUNCE_DUE,
-            (debounce_key(key),),
+            (family_of(key).debounce,),
             (task_id, "1" if forget else ""),
         )
         with self._errors("debounce", key):

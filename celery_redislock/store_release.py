@@ -9,7 +9,7 @@ from redis.exceptions import RedisError
 
 from celery_redislock import scripts, slot_scripts
 from celery_redislock.exceptions import LockBackendError
-from celery_redislock.keys import fence_key, handoff_keys, release_channel, slot_keys
+from celery_redislock.key_family import family_of
 from celery_redislock.outcomes import RELEASE_OUTCOMES, ReleaseOutcome
 from celery_redislock.protocol import (
     ReleaseAttempts,
@@ -217,9 +217,10 @@ class LockRelease(StoreConnections):
         returns a hand-over the first attempt made, and "no slot held it,
         one is free" is reported as released (1), as :meth:`do_release` does.
         """
-        waiters, parked, _ = handoff_keys(key)
-        keys = (*slot_keys(key, limit), waiters, parked, fence_key(key))
-        args = (match, mode, release_channel(key), self.handoff_ttl_ms, self.fence_ttl_ms)
+        family = family_of(key)
+        waiters, parked, _ = family.handoff
+        keys = (*family.slots(limit), waiters, parked, family.fence)
+        args = (match, mode, family.channel, self.handoff_ttl_ms, self.fence_ttl_ms)
         attempts = ReleaseAttempts(key)
 
         def make(endpoint: Endpoint) -> Callable[[Any], Any]:

@@ -10,7 +10,7 @@ from redis.exceptions import ConnectionError, TimeoutError
 
 from celery_redislock import scripts, slot_scripts
 from celery_redislock._clock import clock
-from celery_redislock.keys import release_channel, slot_keys
+from celery_redislock.key_family import family_of
 from celery_redislock.outcomes import AcquireResult, held_by, release_wait
 from celery_redislock.store_acquire import LockAcquire
 from celery_redislock.store_connections import _Kind, _script_runner
@@ -75,7 +75,7 @@ class LockSlotsAndWaits(LockAcquire):
                 waiting,
             )
         if int(reply[0]) == 1:
-            taken = slot_keys(key, limit)[int(reply[1]) - 1]
+            taken = family_of(key).slots(limit)[int(reply[1]) - 1]
             self._check_replicas(taken, value, acked, min_replicas, replicas_timeout)
             return AcquireResult(True, sent_at=sent_at, key=taken)
         return held_by(reply, sent_at, self._topology(_Kind.COMMANDS).endpoint_for(key).encoding)
@@ -98,7 +98,7 @@ class LockSlotsAndWaits(LockAcquire):
             The script's reply, and the number of replicas that acknowledged
             the write (``None`` when not asked for or not taken).
         """
-        keys = slot_keys(key, limit)
+        keys = family_of(key).slots(limit)
         args = (value, ttl_ms, "1" if waiting else "", task_prefix, *adopt)
         topology, timeout_ms = self._for_replicas(min_replicas, replicas_timeout)
         if timeout_ms:
@@ -152,7 +152,7 @@ class LockSlotsAndWaits(LockAcquire):
             while True:
                 subscribed = False
                 try:
-                    with Subscription(endpoint, release_channel(key)) as sub:
+                    with Subscription(endpoint, family_of(key).channel) as sub:
                         subscribed = True
                         while True:
                             result = take(min_replicas, replicas_timeout, waiting=True)
@@ -183,8 +183,9 @@ class LockSlotsAndWaits(LockAcquire):
         """
         deadline = clock() + timeout
         endpoint = self._topology(_Kind.COMMANDS).endpoint_for(key)
-        watch = (scripts.WATCH, slot_keys(key, limit), (owner_prefix,))
-        with self._errors("wait for", key), Subscription(endpoint, release_channel(key)) as sub:
+        family = family_of(key)
+        watch = (scripts.WATCH, family.slots(limit), (owner_prefix,))
+        with self._errors("wait for", key), Subscription(endpoint, family.channel) as sub:
             while True:
                 # Marks the value waited for: its release then publishes.
                 if not int(endpoint.run(_script_runner(watch)(endpoint))):

@@ -10,6 +10,7 @@ import pytest
 import redis
 
 from celery_redislock import LockBackendError, RedisLock, ReleaseOutcome, SingletonTask
+from celery_redislock.key_family import KeyFamily
 from celery_redislock.settings import app_settings
 from celery_redislock.store import RENEW_CHUNK_SIZE, LockStore, RenewOutcome
 from tests.conftest import LOCK_DB
@@ -435,3 +436,38 @@ def test_a_store_class_setting_serves_the_tasks(app_factory: Any) -> None:
 
     assert job.delay(21).get() == 42
     assert store.calls == ["acquire", "release"]
+
+
+class KeyRecordingStore(LockStore):
+    """Records the key objects the store is handed."""
+
+    keys: list[Any]
+
+    def do_acquire(self, key: str, *args: Any, **kwargs: Any) -> Any:
+        self.keys.append(key)
+        return super().do_acquire(key, *args, **kwargs)
+
+    def do_release(self, key: str, *args: Any, **kwargs: Any) -> Any:
+        self.keys.append(key)
+        return super().do_release(key, *args, **kwargs)
+
+
+def test_an_execution_builds_its_key_family_once_and_hands_it_to_the_store(
+    app_factory: Any,
+) -> None:
+    app = app_factory(
+        redislock_store_class="tests.integration.test_store:KeyRecordingStore",
+        task_always_eager=True,
+    )
+    store = app_settings(app).backend
+    assert isinstance(store, KeyRecordingStore)
+    store.keys = []
+
+    @app.task(base=SingletonTask, shared=False)
+    def job(n: int) -> int:
+        return n * 2
+
+    assert job.delay(21).get() == 42
+    acquired, released = store.keys
+    assert type(acquired) is KeyFamily and released is acquired  # one object, handed down
+    assert acquired == job.lock_key_for((21,), {})

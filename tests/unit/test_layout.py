@@ -32,6 +32,7 @@ LOWER_LAYERS = {
     "celery_redislock.clients",
     "celery_redislock.evalsha",
     "celery_redislock.exceptions",
+    "celery_redislock.key_family",
     "celery_redislock.keys",
     "celery_redislock.outcomes",
     "celery_redislock.park_scripts",
@@ -306,3 +307,46 @@ def test_every_module_opens_with_a_docstring_saying_its_job() -> None:
     for path in sorted(PACKAGE.rglob("*.py")):
         doc = ast.get_docstring(ast.parse(path.read_text()))
         assert doc and len(doc.split()) >= 4, f"{module_name(path)} has no docstring"
+
+
+#: The modules that run a lock's scripts: they read a key's companions from
+#: its family (``key_family.family_of``) and name none themselves.
+STORE_MODULES = (
+    "aiostore",
+    "pending",
+    "protocol",
+    "store",
+    "store_acquire",
+    "store_connections",
+    "store_parking",
+    "store_release",
+    "store_slots",
+)
+#: What naming a companion key looks like (``key_family``'s functions).
+COMPANION_NAMERS = {
+    "debounce_key",
+    "fence_key",
+    "handoff_keys",
+    "next_run_key",
+    "queued_key",
+    "release_channel",
+    "slot_key",
+    "slot_keys",
+}
+
+
+def test_the_stores_name_no_companion_key_they_read_it_from_the_family() -> None:
+    named = []
+    for module in STORE_MODULES:
+        path = PACKAGE / f"{module}.py"
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module in (
+                "celery_redislock.keys",
+                "celery_redislock.key_family",
+            ):
+                named += [
+                    f"{module}:{node.lineno}: {alias.name}"
+                    for alias in node.names
+                    if alias.name in COMPANION_NAMERS
+                ]
+    assert named == [], "companion keys named in a store module (use family_of(key))"

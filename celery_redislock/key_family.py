@@ -11,8 +11,11 @@ them from it instead of deriving any (:func:`family_of`).
 
 from __future__ import annotations
 
-import functools
 import re
+from collections.abc import Callable
+from typing import Generic, TypeVar, overload
+
+T = TypeVar("T")
 
 __all__ = [
     "HANDOFF_SUFFIXES",
@@ -29,58 +32,6 @@ __all__ = [
     "slot_keys",
     "split_slot",
 ]
-
-
-class KeyFamily(str):
-    """A lock key (this ``str`` itself) and every key kept beside it, each named once.
-
-    A ``str`` equal to the lock key, so every API that takes a lock key
-    takes a family unchanged (a store subclass's ``do_*`` overrides
-    included), and a family and the plain key are one dict key. The
-    companions are named on first use and kept: an execution builds its
-    family once (``keys.task_key``) and every layer below reads from it.
-    A slot key's family is its base key's (one fence counter, one set of
-    parked executions, one release channel for every slot).
-    """
-
-    @functools.cached_property
-    def fence(self) -> str:
-        """The fence counter (see :func:`fence_key`)."""
-        return fence_key(self)
-
-    @functools.cached_property
-    def handoff(self) -> tuple[str, str, str]:
-        """The parked executions' keys: waiters, parked, ran (see :func:`handoff_keys`)."""
-        return handoff_keys(self)
-
-    @functools.cached_property
-    def queued(self) -> str:
-        """The queued-run marker (see :func:`queued_key`)."""
-        return queued_key(self)
-
-    @functools.cached_property
-    def next_run(self) -> str:
-        """The queued run's record (see :func:`next_run_key`)."""
-        return next_run_key(self)
-
-    @functools.cached_property
-    def debounce(self) -> str:
-        """The debounce record (see :func:`debounce_key`)."""
-        return debounce_key(self)
-
-    @functools.cached_property
-    def channel(self) -> str:
-        """The release channel (see :func:`release_channel`)."""
-        return release_channel(self)
-
-    def slots(self, limit: int) -> list[str]:
-        """The keys of slots 1..``limit`` (see :func:`slot_keys`)."""
-        return slot_keys(self, limit)
-
-
-def family_of(key: str) -> KeyFamily:
-    """``key``'s family: ``key`` itself when it is one (built once, upstream), else a new one."""
-    return key if type(key) is KeyFamily else KeyFamily(key)
 
 
 def _companion(key: str, suffix: str) -> str:
@@ -203,3 +154,68 @@ def split_slot(key: str) -> tuple[str, int]:
     if match is None or int(match["slot"]) < 2:
         return key, 1
     return match["base"], int(match["slot"])
+
+
+class _Named(Generic[T]):
+    """A companion, named on a family's first use and kept in its ``__dict__``.
+
+    Not ``functools.cached_property``: before Python 3.12 it takes one lock
+    shared by every instance, so all threads naming any family's companion
+    take turns, and a fork while another thread holds it (the renewer
+    thread names fence keys) leaves the child's copy of it held for ever.
+    Two threads naming one companion at once store equal strings.
+    """
+
+    def __init__(self, name: Callable[[str], T]) -> None:
+        self._name = name
+        self._attribute = ""
+
+    def __set_name__(self, owner: type, attribute: str) -> None:
+        self._attribute = attribute
+
+    @overload
+    def __get__(self, family: None, owner: type | None = None) -> _Named[T]: ...
+
+    @overload
+    def __get__(self, family: KeyFamily, owner: type | None = None) -> T: ...
+
+    def __get__(self, family: KeyFamily | None, owner: type | None = None) -> T | _Named[T]:
+        if family is None:
+            return self
+        value = family.__dict__[self._attribute] = self._name(family)
+        return value
+
+
+class KeyFamily(str):
+    """A lock key (this ``str`` itself) and every key kept beside it, each named once.
+
+    A ``str`` equal to the lock key, so every API that takes a lock key
+    takes a family unchanged (a store subclass's ``do_*`` overrides
+    included), and a family and the plain key are one dict key. The
+    companions are named on first use and kept: an execution builds its
+    family once (``keys.task_key``) and every layer below reads from it.
+    A slot key's family names its base key's companions (one fence counter,
+    one set of parked executions, one release channel for every slot).
+    """
+
+    #: The fence counter (see :func:`fence_key`).
+    fence = _Named(fence_key)
+    #: The parked executions' keys: waiters, parked, ran (see :func:`handoff_keys`).
+    handoff = _Named(handoff_keys)
+    #: The queued-run marker (see :func:`queued_key`).
+    queued = _Named(queued_key)
+    #: The queued run's record (see :func:`next_run_key`).
+    next_run = _Named(next_run_key)
+    #: The debounce record (see :func:`debounce_key`).
+    debounce = _Named(debounce_key)
+    #: The release channel (see :func:`release_channel`).
+    channel = _Named(release_channel)
+
+    def slots(self, limit: int) -> list[str]:
+        """The keys of slots 1..``limit`` (see :func:`slot_keys`)."""
+        return slot_keys(self, limit)
+
+
+def family_of(key: str) -> KeyFamily:
+    """``key``'s family: ``key`` itself when it is one (built once, upstream), else a new one."""
+    return key if type(key) is KeyFamily else KeyFamily(key)

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import pickle
+import signal
+import threading
+import time
 
 import pytest
 
@@ -61,3 +65,36 @@ def test_a_family_travels_as_the_plain_key() -> None:
     assert copy == family and copy.fence == family.fence
     assert f"{family}" == str(family) and type(str(family)) is str
     assert repr(family) == repr(str(family))
+
+
+def test_a_fork_while_another_thread_names_companions_never_stalls_the_child() -> None:
+    # The renewer thread names fence keys while a prefork worker forks its
+    # children: a lock taken while naming, and held at the fork, would be
+    # held in the child for ever.
+    stop = threading.Event()
+
+    def name_companions() -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+            family = KeyFamily(f"redislock:tasks.charge:{{{n}}}")
+            family.fence, family.handoff, family.channel  # noqa: B018 - naming is the work
+
+    namer = threading.Thread(target=name_companions, daemon=True)
+    namer.start()
+    try:
+        for _ in range(40):
+            pid = os.fork()
+            if pid == 0:  # the child names one companion, then exits at once
+                os._exit(0 if KeyFamily("a:{b}").fence == "a:{b}:fence" else 1)
+            deadline = time.monotonic() + 10
+            while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
+                if time.monotonic() > deadline:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                    raise AssertionError("a child forked while a companion was named stalled")
+                time.sleep(0.001)
+            assert os.waitstatus_to_exitcode(done[1]) == 0
+    finally:
+        stop.set()
+        namer.join()

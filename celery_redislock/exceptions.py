@@ -68,7 +68,9 @@ class LockContended(RedisLockError):
     def __init__(
         self, key: str, holder_task_id: str | None = None, ttl_remaining: float | None = None
     ) -> None:
-        self.key = key
+        # The plain key: the exception may be a task's result, serialized
+        # (kombu's yaml refuses str subclasses, such as a key's family).
+        self.key = key = str.__str__(key) if isinstance(key, str) else key
         self.holder_task_id = holder_task_id
         self.ttl_remaining = ttl_remaining
         super().__init__(key, holder_task_id, ttl_remaining)

@@ -26,6 +26,7 @@ __all__ = [
     "fence_key",
     "handoff_keys",
     "next_run_key",
+    "plain_key",
     "queued_key",
     "release_channel",
     "slot_key",
@@ -215,7 +216,26 @@ class KeyFamily(str):
         """The keys of slots 1..``limit`` (see :func:`slot_keys`)."""
         return slot_keys(self, limit)
 
+    def __reduce__(self) -> tuple[type[str], tuple[str]]:
+        # Pickled (a result, a message, a signal receiver's queue) it is the
+        # plain key: a process without this class (an older version) reads
+        # it, and nothing outside this process needs the named companions.
+        return str, (plain_key(self),)
+
 
 def family_of(key: str) -> KeyFamily:
-    """``key``'s family: ``key`` itself when it is one (built once, upstream), else a new one."""
-    return key if type(key) is KeyFamily else KeyFamily(key)
+    """``key``'s family: ``key`` itself when it is one (built once, upstream), else a new one.
+
+    A key of another ``str`` subclass (a ``(str, Enum)`` member) names its
+    family by its value, the text sent to Redis as the key, not its ``str()``.
+    """
+    return key if type(key) is KeyFamily else KeyFamily(str.__str__(key))
+
+
+def plain_key(key: str) -> str:
+    """``key`` as a plain ``str`` (its value): for what leaves the process.
+
+    A result or an exception crossing to another process carries the key as
+    a plain ``str``: kombu's yaml serializer refuses ``str`` subclasses.
+    """
+    return str.__str__(key)

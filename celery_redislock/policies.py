@@ -27,6 +27,7 @@ from typing import Any, NoReturn
 from celery.utils.time import get_exponential_backoff_interval
 
 from celery_redislock.exceptions import ConfigurationError, LockContended
+from celery_redislock.key_family import plain_key
 
 __all__ = [
     "BACKEND_BACKOFF_MAX",
@@ -68,7 +69,13 @@ def skipped_result(key: str, task_name: str, holder_task_id: str | None) -> dict
     "holder": <holder task id or None>}``; test for it with
     :func:`is_skipped`.
     """
-    return {SKIPPED_MARKER: "skipped", "key": key, "task": task_name, "holder": holder_task_id}
+    # The plain key (a result is serialized: kombu's yaml refuses a key's family).
+    return {
+        SKIPPED_MARKER: "skipped",
+        "key": plain_key(key),
+        "task": task_name,
+        "holder": holder_task_id,
+    }
 
 
 def is_skipped(value: Any) -> bool:

@@ -32,6 +32,7 @@ from celery_redislock.headers import (
     own_values,
     redelivered,
 )
+from celery_redislock.key_family import plain_key
 from celery_redislock.pending import OUTBOX_TTL_MS
 from celery_redislock.policies import backend_error_countdown
 from celery_redislock.tokens import new_nonce
@@ -86,7 +87,7 @@ def send_contention_event(task: LockedTask, key: str, holder: str | None, policy
             CONTENTION_EVENT,
             retry=False,
             name=task.name,  # it may reach a monitor before task-received (Flower labels by it)
-            redislock_key=str(key),  # a plain str for any event serializer (yaml: exact types)
+            redislock_key=plain_key(key),  # for any event serializer (yaml: exact str only)
             redislock_holder=holder,
             redislock_policy=policy,
         )

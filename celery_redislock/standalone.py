@@ -18,7 +18,6 @@ from typing import Any, Generic, TypeVar
 from celery_redislock import signals
 from celery_redislock._clock import clock
 from celery_redislock.exceptions import ConfigurationError, LockBackendError, LockNotOwned
-from celery_redislock.key_family import family_of
 from celery_redislock.leasing import Lease
 from celery_redislock.outcomes import AcquireResult
 from celery_redislock.owners import Hold, Holds
@@ -119,7 +118,7 @@ class StandaloneLock(Generic[H, S, C]):
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ConfigurationError(f"{self._kind} name must be a non-empty str, got {name!r}")
-        self.name: str = family_of(name)  # its companions named once, for the store
+        self.name = name
         self.ttl = validate_ttl(ttl, f"{self._kind} ttl")
         self.renew = renew
         self.blocking = blocking

@@ -103,7 +103,9 @@ def _is_cluster(client: Any) -> bool:
     kind = type(client)
     cluster = _CLUSTER_CLASSES.get(kind)
     if cluster is None:
-        cluster = _CLUSTER_CLASSES[kind] = isinstance(client, RedisCluster)
+        cluster = isinstance(client, RedisCluster)
+        if client.__class__ is kind:  # not a proxy, which may wrap either kind
+            _CLUSTER_CLASSES[kind] = cluster
     return cluster
 
 

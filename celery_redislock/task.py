@@ -45,6 +45,7 @@ from celery_redislock.headers import (
     UNSETTLED_HEADER,
     as_received,
 )
+from celery_redislock.key_family import plain_key
 from celery_redislock.keys import (
     bind_lock_arguments,
     custom_key,
@@ -175,7 +176,7 @@ class SingletonTaskMixin(_TaskBase):
         """
         settings = self.lock_settings()
         args, kwargs = as_received(args, kwargs or {}, self.serializer, self.name)
-        return self.lock_key_for_received(args, kwargs, settings)
+        return plain_key(self.lock_key_for_received(args, kwargs, settings))  # yours to send
 
     def lock_key_for_received(
         self, args: Sequence[Any], kwargs: dict[str, Any], settings: TaskSettings | None = None

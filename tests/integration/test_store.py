@@ -471,3 +471,39 @@ def test_an_execution_builds_its_key_family_once_and_hands_it_to_the_store(
     acquired, released = store.keys
     assert type(acquired) is KeyFamily and released is acquired  # one object, handed down
     assert acquired == job.lock_key_for((21,), {})
+
+
+class _TransparentProxy:
+    """An instrumentation-style proxy: ``__class__`` answers for the wrapped client."""
+
+    def __init__(self, wrapped: Any) -> None:
+        object.__setattr__(self, "_wrapped", wrapped)
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        return type(self._wrapped)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._wrapped, name)
+
+
+def test_a_proxy_class_is_not_taken_for_one_kind_of_client(
+    server: RedisServer, lock_client: redis.Redis
+) -> None:
+    # One proxy class may wrap a plain client and a cluster client: what one
+    # proxied client is says nothing about the next (review helper-41 F4).
+    from redis.cluster import RedisCluster
+
+    from celery_redislock.store import _is_cluster
+
+    class FakeCluster(RedisCluster):  # never connects: only its class is asked
+        def __init__(self) -> None:
+            pass
+
+    proxied = _TransparentProxy(lock_client)
+    assert isinstance(proxied, redis.Redis) and not _is_cluster(proxied)
+    assert _is_cluster(_TransparentProxy(FakeCluster()))
+    assert not _is_cluster(proxied)
+    lock = RedisLock(proxied, "proxied", ttl=5)  # type: ignore[arg-type]
+    with lock:
+        assert lock_client.exists("proxied")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 import pickle
@@ -10,7 +11,9 @@ import threading
 import time
 
 import pytest
+import yaml
 
+from celery_redislock.exceptions import LockContended
 from celery_redislock.key_family import (
     KeyFamily,
     debounce_key,
@@ -24,6 +27,7 @@ from celery_redislock.key_family import (
     slot_keys,
 )
 from celery_redislock.keys import custom_key, task_key
+from celery_redislock.policies import skipped_result
 
 KEYS = [
     "redislock:tasks.charge:{0f1e}",  # a task key: its hash tag is kept
@@ -61,8 +65,6 @@ def test_a_family_travels_as_the_plain_key() -> None:
     family = task_key("redislock", "tasks.charge", {"account": 7})
     assert family.fence  # named before it travels
     assert json.loads(json.dumps({"key": family})) == {"key": str(family)}
-    copy = pickle.loads(pickle.dumps(family))
-    assert copy == family and copy.fence == family.fence
     assert f"{family}" == str(family) and type(str(family)) is str
     assert repr(family) == repr(str(family))
 
@@ -98,3 +100,31 @@ def test_a_fork_while_another_thread_names_companions_never_stalls_the_child() -
     finally:
         stop.set()
         namer.join()
+
+
+def test_a_key_leaves_the_process_as_a_plain_str() -> None:
+    # A result or exception is serialized: kombu's yaml refuses str
+    # subclasses, and a process without KeyFamily (an older version) must
+    # read a pickled one (review helper-41 F1).
+    family = task_key("redislock", "tasks.charge", {"account": 7})
+    assert family.fence  # named, so its __dict__ is not empty
+    skipped = skipped_result(family, "tasks.charge", None)
+    contended = LockContended(family, "other", 1.0)
+    assert type(skipped["key"]) is str and type(contended.key) is str
+    assert yaml.safe_load(yaml.safe_dump(skipped))["key"] == family
+    copy = pickle.loads(pickle.dumps(family))
+    assert type(copy) is str and copy == family
+    assert b"KeyFamily" not in pickle.dumps({"key": family})
+    assert type(pickle.loads(pickle.dumps(contended)).key) is str
+
+
+class _Locks(str, enum.Enum):
+    REPORT = "nightly-report"
+
+
+def test_a_key_of_another_str_subclass_names_its_family_by_its_value() -> None:
+    # What Redis is sent as the key is its value (str.encode), not its str()
+    # (review helper-41 F3): the companions are named from the same text.
+    family = family_of(_Locks.REPORT)
+    assert family == "nightly-report" and type(family) is KeyFamily
+    assert family.fence == fence_key("nightly-report")

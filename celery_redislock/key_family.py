@@ -223,6 +223,23 @@ class KeyFamily(str):
         return str, (plain_key(self),)
 
 
+def _yaml_writes_families_as_keys() -> None:
+    """Let yaml's safe dumper write a family as the plain key (kombu's yaml serializer).
+
+    A family reaches user code (``self.lock.key``, signal arguments), which
+    may return or send it: ``yaml.safe_dump`` refuses ``str`` subclasses it
+    was not told about. PyYAML is imported by kombu already when installed.
+    """
+    try:
+        import yaml  # type: ignore[import-untyped]
+    except ImportError:  # pragma: no cover - PyYAML is optional
+        return
+    yaml.SafeDumper.add_representer(KeyFamily, yaml.SafeDumper.represent_str)
+
+
+_yaml_writes_families_as_keys()
+
+
 def family_of(key: str) -> KeyFamily:
     """``key``'s family: ``key`` itself when it is one (built once, upstream), else a new one.
 

@@ -112,6 +112,8 @@ def test_a_key_leaves_the_process_as_a_plain_str() -> None:
     contended = LockContended(family, "other", 1.0)
     assert type(skipped["key"]) is str and type(contended.key) is str
     assert yaml.safe_load(yaml.safe_dump(skipped))["key"] == family
+    # self.lock.key and the signals' key are the family: a user may send it.
+    assert yaml.safe_load(yaml.safe_dump({"key": family})) == {"key": str(family)}
     copy = pickle.loads(pickle.dumps(family))
     assert type(copy) is str and copy == family
     assert b"KeyFamily" not in pickle.dumps({"key": family})

@@ -101,6 +101,9 @@ class Renewer:
         self._abandoned: collections.deque[tuple[LockStore, str, str, float]] = collections.deque()
         self._pid = current_pid()
         self._running = False
+        # The thread that is the renewer: any other one started (see
+        # _ensure_running) leaves at its next wake-up.
+        self._generation: object = None
         # When the thread will wake next (clock time), and how long it sleeps
         # when nothing is held: half the shortest renewal period seen, so a
         # lock registered later is never due before the next wake-up and a
@@ -193,17 +196,30 @@ class Renewer:
             self._wake.release()
 
     def _ensure_running(self) -> None:
+        # Called under the mutex: one start at a time. An interruption before
+        # the thread started clears the flag again (else it would say
+        # "running" with no thread, and no lock of the process be renewed:
+        # review helper-40 F1). One after the start, before it is known,
+        # clears it too: the next registration starts another generation,
+        # and this thread leaves at its next wake-up.
         if self._running:
             return
-        self._running = True
-        start_new_thread = _native("_thread", "start_new_thread")
-        start_new_thread(self._run, ())
+        started = False
+        try:
+            generation = self._generation = object()
+            self._running = True
+            start_new_thread = _native("_thread", "start_new_thread")
+            start_new_thread(self._run, (generation,))
+            started = True
+        finally:
+            if not started:
+                self._running = False
 
     # -- the thread ------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _run(self, generation: object) -> None:
         try:
-            while True:
+            while self._generation is generation:
                 try:
                     timeout = self._tick()
                 except Exception:
@@ -215,7 +231,8 @@ class Renewer:
                     return
                 self._wake.acquire(timeout=max(timeout, 0.0))
         finally:
-            self._running = False
+            if self._generation is generation:
+                self._running = False
 
     def _tick(self) -> float | None:
         """Renew what is due; return how long to sleep, or None to exit."""

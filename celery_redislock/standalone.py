@@ -130,7 +130,11 @@ class StandaloneLock(Generic[H, S, C]):
         self._last_contention = _NO_CONTENTION
 
     def __repr__(self) -> str:
-        return f"<{self._kind} {self.name!r} {'held' if self.owned else 'free'}>"
+        try:
+            state = "held" if self.owned else "free"
+        except RuntimeError:  # reentrant asyncio, no running loop: no task to ask for
+            state = "reentrant"
+        return f"<{self._kind} {self.name!r} {state}>"
 
     def _hold(self) -> Hold[H] | None:
         return self._holds.get(self.backend, self.name, self._owner())

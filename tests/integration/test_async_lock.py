@@ -811,3 +811,12 @@ def test_a_timeout_expiring_anywhere_in_a_blocked_acquire_ends_it(server: RedisS
         return outcomes
 
     assert run(server, body) == ["timed out"] * 90
+
+
+def test_a_reentrant_lock_has_a_repr_outside_a_running_loop(server: RedisServer) -> None:
+    # Logged or shown in a debugger from sync code: its owner is a task,
+    # and there is none to ask for (review helper-40 F3: it raised).
+    client = redis.asyncio.Redis(port=server.port, db=LOCK_DB)
+    lock = AsyncRedisLock(client, "a:repr", ttl=5, reentrant=True)
+    assert repr(lock) == "<AsyncRedisLock 'a:repr' reentrant>"
+    assert repr(AsyncRedisLock(client, "a:repr", ttl=5)) == "<AsyncRedisLock 'a:repr' free>"

@@ -229,3 +229,74 @@ def test_a_release_sent_again_after_an_interruption_reports_released(
         release_completely(lock.handle.release)
     assert outcomes[-1:] == ["released"]
     assert lock_client.exists("interrupted-release") == 0
+
+
+_FRESH_PROCESS_INTERRUPT = """
+import sys, time
+import redis
+from celery_redislock import RedisLock
+from celery_redislock.renewer import renewer
+from celery_redislock.store import LockStore
+from celery_redislock.takeback import take_back_value
+
+caller, callee = sys.argv[2], sys.argv[3]
+
+def tracer(frame, event, arg):
+    # A signal is handled at a call's first instruction: there, once.
+    back = frame.f_back
+    here = event == "call" and frame.f_code.co_name == callee
+    if here and back and back.f_code.co_name == caller:
+        sys.settrace(None)
+        raise KeyboardInterrupt
+    return tracer if event == "call" else None
+
+client = redis.Redis(port=int(sys.argv[1]))
+interrupted = False
+sys.settrace(tracer)
+try:
+    if caller == "_ensure_running":  # the process's first renewed lock
+        RedisLock(client, "first", ttl=1).acquire()
+    else:  # the process's first take-back
+        client.set("taken-back", "lost-reply-value")
+        take_back_value(LockStore.for_client(client), "taken-back", "lost-reply-value", now=False)
+except KeyboardInterrupt:
+    interrupted = True
+finally:
+    sys.settrace(None)
+assert interrupted, "the interrupt never landed"
+deadline = time.monotonic() + 10
+if caller == "_ensure_running":
+    assert not client.exists("first")
+    later = RedisLock(client, "later", ttl=1)
+    assert later.acquire()
+    while renewer().heartbeat is None:  # the next lock started the thread
+        assert time.monotonic() < deadline, "no renewer thread: locks expire unrenewed"
+        time.sleep(0.01)
+    later.release()
+else:
+    while client.exists("taken-back"):  # the interrupted take-back runs anyway
+        assert time.monotonic() < deadline, "no take-back thread: values stay for their TTL"
+        time.sleep(0.01)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize(("caller", "callee"), [("_ensure_running", "_native"), ("add", "notify")])
+def test_an_interrupt_while_a_background_thread_starts_leaves_it_working(
+    server: RedisServer, caller: str, callee: str
+) -> None:
+    # The renewer's and the take-backs' threads start on first use, in the
+    # caller's thread: a signal there (Ctrl-C, a soft time limit) must not
+    # leave the process believing a thread runs that never started (review
+    # helper-40 F1, F2). A fresh process: this one's threads run already.
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _FRESH_PROCESS_INTERRUPT, str(server.port), caller, callee],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

@@ -201,15 +201,20 @@ class Renewer:
         # "running" with no thread, and no lock of the process be renewed:
         # review helper-40 F1). One after the start, before it is known,
         # clears it too: the next registration starts another generation,
-        # and this thread leaves at its next wake-up.
+        # and this thread leaves at its next wake-up. Each generation waits
+        # on a wake-up lock of its own: a superseded thread never takes one
+        # meant for the current thread (review helper-42 F3).
         if self._running:
             return
         started = False
         try:
             generation = self._generation = object()
             self._running = True
+            wake = _native("_thread", "allocate_lock")()
+            wake.acquire()
+            self._wake = wake
             start_new_thread = _native("_thread", "start_new_thread")
-            start_new_thread(self._run, (generation,))
+            start_new_thread(self._run, (generation, wake))
             started = True
         finally:
             if not started:
@@ -217,7 +222,7 @@ class Renewer:
 
     # -- the thread ------------------------------------------------------------
 
-    def _run(self, generation: object) -> None:
+    def _run(self, generation: object, wake: Any) -> None:
         try:
             while self._generation is generation:
                 try:
@@ -229,7 +234,7 @@ class Renewer:
                     timeout = 0.1
                 if timeout is None:
                     return
-                self._wake.acquire(timeout=max(timeout, 0.0))
+                wake.acquire(timeout=max(timeout, 0.0))
         finally:
             if self._generation is generation:
                 self._running = False

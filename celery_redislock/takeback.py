@@ -65,30 +65,32 @@ class _Worker:
 
     def add(self, attempt: Attempt, until: float = 0.0) -> None:
         cond = self._condition()
-        start = False
+        entry = (clock() + DELAYS[0], next(self._sequence), 1, until, attempt)
+        start = started = False
         try:
             with cond:
-                entry = (clock() + DELAYS[0], next(self._sequence), 1, until, attempt)
-                heapq.heappush(self._heap, entry)
+                # The flag before the entry: an interruption once it is
+                # queued finds ``start`` set, and starts the thread below.
                 start, self._running = not self._running, True
+                heapq.heappush(self._heap, entry)
                 cond.notify()
         finally:
             # Even when interrupted once the flag is set (else it would say
             # "running" with no thread, and no take-back of the process run:
-            # review helper-40 F2); the interruption is raised after.
+            # review helper-40 F2); inline, not a call, whose first
+            # instruction a signal could interrupt before any try (review
+            # helper-42 F1). The interruption is raised after.
             if start:
-                self._start(cond)
-
-    def _start(self, cond: threading.Condition) -> None:
-        started = False
-        try:
-            thread = threading.Thread(target=self._run, name="redislock-take-back", daemon=True)
-            thread.start()
-            started = True
-        finally:
-            if not started:  # the next take-back starts one
-                with cond:
-                    self._running = False
+                try:
+                    thread = threading.Thread(
+                        target=self._run, name="redislock-take-back", daemon=True
+                    )
+                    thread.start()
+                    started = True
+                finally:
+                    if not started:  # the next take-back starts one
+                        with cond:
+                            self._running = False
 
     def pending(self) -> int:
         with self._condition():

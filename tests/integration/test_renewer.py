@@ -234,6 +234,7 @@ def test_a_release_sent_again_after_an_interruption_reports_released(
 _FRESH_PROCESS_INTERRUPT = """
 import sys, time
 import redis
+import celery_redislock.renewer as renewer_module
 from celery_redislock import RedisLock
 from celery_redislock.renewer import renewer
 from celery_redislock.store import LockStore
@@ -250,7 +251,25 @@ def tracer(frame, event, arg):
         raise KeyboardInterrupt
     return tracer if event == "call" else None
 
+if callee == "start_new_thread":  # a signal just after the thread started
+    native = renewer_module._native
+
+    def interrupted_start(module, name):
+        start = native(module, name)
+        if name != "start_new_thread":
+            return start
+
+        def start_then_interrupt(*args):
+            start(*args)
+            renewer_module._native = native
+            raise KeyboardInterrupt
+
+        return start_then_interrupt
+
+    renewer_module._native = interrupted_start
+
 client = redis.Redis(port=int(sys.argv[1]))
+store = LockStore.for_client(client)
 interrupted = False
 sys.settrace(tracer)
 try:
@@ -258,7 +277,7 @@ try:
         RedisLock(client, "first", ttl=1).acquire()
     else:  # the process's first take-back
         client.set("taken-back", "lost-reply-value")
-        take_back_value(LockStore.for_client(client), "taken-back", "lost-reply-value", now=False)
+        take_back_value(store, "taken-back", "lost-reply-value", now=False)
 except KeyboardInterrupt:
     interrupted = True
 finally:
@@ -267,21 +286,41 @@ assert interrupted, "the interrupt never landed"
 deadline = time.monotonic() + 10
 if caller == "_ensure_running":
     assert not client.exists("first")
-    later = RedisLock(client, "later", ttl=1)
+    later = RedisLock(client, "later", ttl=60)  # starts the thread again if needed
     assert later.acquire()
-    while renewer().heartbeat is None:  # the next lock started the thread
+    while renewer().heartbeat is None:
         assert time.monotonic() < deadline, "no renewer thread: locks expire unrenewed"
         time.sleep(0.01)
+    # A lock due before the thread's next wake-up wakes it (the current
+    # thread: not one a later start superseded), and is renewed past its TTL.
+    short = RedisLock(client, "short", ttl=1)
+    assert short.acquire()
+    renewed_until = time.monotonic() + 2.5
+    while time.monotonic() < renewed_until:
+        assert client.exists("short") and not short.lost, "expired unrenewed"
+        time.sleep(0.05)
+    short.release()
     later.release()
 else:
-    while client.exists("taken-back"):  # the interrupted take-back runs anyway
+    # The next take-back runs: this one's, and the interrupted one too.
+    client.set("taken-back-next", "another-value")
+    take_back_value(store, "taken-back-next", "another-value", now=False)
+    while client.exists("taken-back", "taken-back-next"):
         assert time.monotonic() < deadline, "no take-back thread: values stay for their TTL"
         time.sleep(0.01)
 print("ok")
 """
 
 
-@pytest.mark.parametrize(("caller", "callee"), [("_ensure_running", "_native"), ("add", "notify")])
+@pytest.mark.parametrize(
+    ("caller", "callee"),
+    [
+        ("_ensure_running", "_native"),  # before the thread starts
+        ("_ensure_running", "start_new_thread"),  # after it started (simulated)
+        ("add", "notify"),  # the take-back queued, the thread not yet started
+        ("add", "__init__"),  # the take-back thread's construction
+    ],
+)
 def test_an_interrupt_while_a_background_thread_starts_leaves_it_working(
     server: RedisServer, caller: str, callee: str
 ) -> None:

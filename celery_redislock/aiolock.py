@@ -171,14 +171,8 @@ class AsyncRedisLock(StandaloneLock[AsyncLockHandle, AsyncLockStore, redis.async
         ``asyncio.shield`` runs in a task of its own (Python <= 3.11) still
         acquires for its caller.
 
-        Args:
-            blocking: Wait for the holder to release (woken by its release
-                notification). Defaults to the constructor's.
-            timeout: Longest wait in seconds when blocking (default: the
-                constructor's; ``None`` waits as long as it takes).
-
-        Returns:
-            True if acquired, False if not (non-blocking, or timed out).
+        ``blocking``, ``timeout`` and the result are
+        :meth:`RedisLock.acquire <celery_redislock.RedisLock.acquire>`'s.
 
         Raises:
             LockBackendError: Redis is unreachable.

@@ -320,9 +320,10 @@ class PendingIndex:
         Raises:
             LockBackendError: the store is unreachable or refused the script.
         """
+        family = family_of(key)
         call = (
             QUEUE_RUN,
-            (family_of(key).queued, family_of(key).next_run),
+            (family.queued, family.next_run),
             (
                 token,
                 ttl_ms,

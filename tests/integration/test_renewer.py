@@ -239,6 +239,7 @@ from celery_redislock import RedisLock
 from celery_redislock.renewer import renewer
 from celery_redislock.store import LockStore
 from celery_redislock.takeback import take_back_value
+from tests.servers import wait_until
 
 caller, callee = sys.argv[2], sys.argv[3]
 
@@ -283,14 +284,12 @@ except KeyboardInterrupt:
 finally:
     sys.settrace(None)
 assert interrupted, "the interrupt never landed"
-deadline = time.monotonic() + 10
 if caller == "_ensure_running":
     assert not client.exists("first")
     later = RedisLock(client, "later", ttl=60)  # starts the thread again if needed
     assert later.acquire()
-    while renewer().heartbeat is None:
-        assert time.monotonic() < deadline, "no renewer thread: locks expire unrenewed"
-        time.sleep(0.01)
+    # A renewer thread (else locks expire unrenewed):
+    wait_until(lambda: renewer().heartbeat is not None, message="a renewer thread")
     # A lock due before the thread's next wake-up wakes it (the current
     # thread: not one a later start superseded), and is renewed past its TTL.
     short = RedisLock(client, "short", ttl=1)
@@ -305,9 +304,9 @@ else:
     # The next take-back runs: this one's, and the interrupted one too.
     client.set("taken-back-next", "another-value")
     take_back_value(store, "taken-back-next", "another-value", now=False)
-    while client.exists("taken-back", "taken-back-next"):
-        assert time.monotonic() < deadline, "no take-back thread: values stay for their TTL"
-        time.sleep(0.01)
+    # A take-back thread (else values stay for their TTL):
+    gone = lambda: not client.exists("taken-back", "taken-back-next")  # noqa: E731
+    wait_until(gone, message="both values taken back")
 print("ok")
 """
 

@@ -8,7 +8,6 @@ import os
 import pickle
 import signal
 import threading
-import time
 
 import pytest
 import yaml
@@ -28,6 +27,7 @@ from celery_redislock.key_family import (
 )
 from celery_redislock.keys import custom_key, task_key
 from celery_redislock.policies import skipped_result
+from tests.servers import wait_until
 
 KEYS = [
     "redislock:tasks.charge:{0f1e}",  # a task key: its hash tag is kept
@@ -89,14 +89,20 @@ def test_a_fork_while_another_thread_names_companions_never_stalls_the_child() -
             pid = os.fork()
             if pid == 0:  # the child names one companion, then exits at once
                 os._exit(0 if KeyFamily("a:{b}").fence == "a:{b}:fence" else 1)
-            deadline = time.monotonic() + 10
-            while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
-                if time.monotonic() > deadline:
-                    os.kill(pid, signal.SIGKILL)
-                    os.waitpid(pid, 0)
-                    raise AssertionError("a child forked while a companion was named stalled")
-                time.sleep(0.001)
-            assert os.waitstatus_to_exitcode(done[1]) == 0
+            status: list[int] = []
+
+            def reaped(child: int = pid, status: list[int] = status) -> bool:
+                done, code = os.waitpid(child, os.WNOHANG)
+                status.append(code)
+                return done != 0
+
+            try:
+                wait_until(reaped, interval=0.001, message="the child forked while naming to exit")
+            except AssertionError:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                raise
+            assert os.waitstatus_to_exitcode(status[-1]) == 0
     finally:
         stop.set()
         namer.join()

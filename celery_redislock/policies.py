@@ -234,7 +234,6 @@ class Retry(ContentionPolicy):
         if self.max_retries is not None and contention.lock_retries >= self.max_retries:
             return self.then.handle(contention)
         return contention.retry_later(self.countdown_for(contention), contention.error())
-        return None
 
 
 class Wait(ContentionPolicy):

@@ -193,6 +193,15 @@ def read_replies(sock: Any, count: int) -> list[Any]:
             after the replies (the connection must be dropped).
     """
     buffer = _recv(sock)
+    if count == 1 and buffer.find(b"\r\n") == len(buffer) - 2:
+        # One reply of one line, read whole (nearly every lock command's):
+        # parsed without the general loop. Not an array's or a bulk
+        # string's header: the rest of it is still to come.
+        kind = buffer[0]
+        if kind == 58:  # ":" integer
+            return [int(buffer[1:-2])]
+        if kind == 43 or kind == 45 or buffer == b"$-1\r\n":  # "+", "-", nil
+            return [_parse(buffer, 0)[0]]
     out: list[Any] = []
     position = 0
     while len(out) < count:

@@ -78,6 +78,46 @@ def test_replies_split_anywhere_are_read_whole(
     _check(replies)
 
 
+@pytest.mark.parametrize(
+    ("first", "rest", "expected"),
+    [
+        (b"*2\r\n", b":1\r\n:2\r\n", [1, 2]),
+        (b"$5\r\n", b"hello\r\n", b"hello"),
+        (b"$0\r\n", b"\r\n", b""),
+    ],
+)
+def test_one_reply_whose_first_read_ends_at_a_line_end_is_read_whole(
+    socket_pair: tuple[socket.socket, socket.socket], first: bytes, rest: bytes, expected: object
+) -> None:
+    ours, theirs = socket_pair
+    reads = _Reads(ours)
+    theirs.sendall(first)
+
+    def send_rest() -> None:  # only once the first read returned ``first`` alone
+        if reads.first.wait(5.0):
+            theirs.sendall(rest)
+
+    sender = threading.Thread(target=send_rest)
+    sender.start()
+    try:
+        assert read_replies(reads, 1) == [expected]
+    finally:
+        reads.first.set()
+        sender.join()
+
+
+class _Reads:
+    """A real socket that says when its first read has returned."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock, self.first = sock, threading.Event()
+
+    def recv(self, size: int) -> bytes:
+        data = self.sock.recv(size)
+        self.first.set()
+        return data
+
+
 def test_bytes_after_the_replies_are_a_connection_error(
     socket_pair: tuple[socket.socket, socket.socket],
 ) -> None:

@@ -159,3 +159,27 @@ def test_lock_limit_slots_share_one_hash_slot_and_work_on_a_cluster(
     assert store.release_slot_of(key, 3, "v1|t1|0|h|1|", "prefix") is ReleaseOutcome.RELEASED
     assert client.exists(slots[1]) == 0 and client.exists(slots[0], slots[2]) == 2
     store.close()
+
+
+@pytest.mark.parametrize("name", ["a}b", "{}", "x{}y{z}", "a}:slot:2"])
+def test_a_name_with_braces_but_no_hash_tag_fences_waits_and_releases_on_a_cluster(
+    client: RedisCluster, name: str
+) -> None:
+    holder = RedisLock(client, name, ttl=30)
+    assert holder.acquire(blocking=False)
+    first = holder.fence  # its counter must share the name's slot
+    assert first is not None
+    waiter = RedisLock(client, name, ttl=30)
+    acquired: list[bool] = []
+    thread = threading.Thread(target=lambda: acquired.append(waiter.acquire(timeout=10)))
+    thread.start()
+    try:
+        # Released once the waiter marked it waited for: the full release runs.
+        wait_until(lambda: (client.get(name) or b"").endswith(b"|w"), timeout=10)
+        assert holder.release() is ReleaseOutcome.RELEASED
+    finally:
+        thread.join(15)
+    assert acquired == [True]  # woken by the release, long before the TTL
+    assert waiter.fence is not None and waiter.fence > first
+    assert waiter.release() is ReleaseOutcome.RELEASED
+    assert client.exists(name) == 0

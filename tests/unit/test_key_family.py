@@ -27,6 +27,8 @@ from celery_redislock.key_family import (
 )
 from celery_redislock.keys import custom_key, task_key
 from celery_redislock.policies import skipped_result
+from redis.crc import key_slot
+
 from tests.servers import wait_until
 
 KEYS = [
@@ -136,3 +138,36 @@ def test_a_key_of_another_str_subclass_names_its_family_by_its_value() -> None:
     family = family_of(_Locks.REPORT)
     assert family == "nightly-report" and type(family) is KeyFamily
     assert family.fence == fence_key("nightly-report")
+
+
+#: Keys Redis Cluster hashes whole although they hold braces: no hash tag
+#: (an empty one, a "}" before any "{"), so "{key}" would not be their slot.
+UNTAGGED_WITH_BRACES = ["a}b", "{}", "x{}y{z}", "a}:slot:2", "}{", "{}}"]
+
+
+@pytest.mark.parametrize("key", [*UNTAGGED_WITH_BRACES, *KEYS, "{tag}x", "plain:name"])
+def test_every_companion_is_in_the_lock_keys_cluster_slot(key: str) -> None:
+    family = KeyFamily(key)
+    base = key.rsplit(":slot:", 1)[0] if key.startswith("redislock:") else key
+    companions = [
+        family.fence,
+        *family.handoff,
+        family.queued,
+        family.next_run,
+        family.debounce,
+    ]
+    assert {key_slot(name.encode()) for name in companions} == {key_slot(base.encode())}
+    assert len(set(companions)) == len(companions)
+
+
+def test_keys_without_braces_or_with_a_hash_tag_keep_their_companion_names() -> None:
+    # A rolling upgrade shares these names with the versions before.
+    assert fence_key("reports:daily") == "{reports:daily}:fence"
+    assert fence_key("redislock:t:{0f1e}") == "redislock:t:{0f1e}:fence"
+    assert handoff_keys("{tag}x")[0] == "{tag}x:waiters"
+
+
+def test_untagged_keys_with_braces_get_companions_of_their_own() -> None:
+    fences = {fence_key(key) for key in UNTAGGED_WITH_BRACES}
+    assert len(fences) == len(UNTAGGED_WITH_BRACES)
+    assert all(key in fence_key(key) for key in UNTAGGED_WITH_BRACES)  # readable in a listing

@@ -11,6 +11,7 @@ import threading
 
 import pytest
 import yaml
+from redis.crc import key_slot
 
 from celery_redislock.exceptions import LockContended
 from celery_redislock.key_family import (
@@ -27,8 +28,6 @@ from celery_redislock.key_family import (
 )
 from celery_redislock.keys import custom_key, task_key
 from celery_redislock.policies import skipped_result
-from redis.crc import key_slot
-
 from tests.servers import wait_until
 
 KEYS = [

@@ -48,6 +48,7 @@ from celery_redislock.transport import (
     MasterDemoted,
     ScriptCall,
     Topology,
+    cluster_errors,
     connection_factory,
     pack_command,
     scripts_exchange,
@@ -148,7 +149,10 @@ class StoreConnections:
                 if self._client is None:
                     options = dict(self.options)
                     options.setdefault("retry", default_retry())
-                    self._client = build_client(self.url, options)
+                    # A cluster client asks its nodes for the slot map as it
+                    # is built: none answering is no RedisError (helper-44).
+                    with cluster_errors():
+                        self._client = build_client(self.url, options)
         return self._client
 
     def _after_fork(self) -> None:
@@ -168,7 +172,15 @@ class StoreConnections:
             with self._guard:
                 topology = self._topologies.get(kind)
                 if topology is None:
-                    topology = self._make_topology(kind)
+                    try:
+                        topology = self._make_topology(kind)
+                    except RedisError as exc:
+                        # A cluster client is built on first use and asks its
+                        # nodes for the slot map then: the store is unavailable.
+                        raise LockBackendError(
+                            f"Redis at {self.describe()} is unavailable "
+                            f"({type(exc).__name__}: {exc})"
+                        ) from exc
                     self._topologies[kind] = topology
         return topology
 

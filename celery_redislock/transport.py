@@ -74,6 +74,7 @@ __all__ = [
     "ScriptCall",
     "Subscription",
     "Topology",
+    "cluster_errors",
     "connection_factory",
     "connection_settings",
     "pack_command",
@@ -341,7 +342,7 @@ class ClusterTopology(Topology):
         return self._endpoint_of(self._node_for(_slot(key)))
 
     def _node_for(self, slot: int) -> Any:
-        with _cluster_errors():
+        with cluster_errors():
             return self._nodes.get_node_from_slot(slot)
 
     def primaries(self) -> list[Endpoint]:
@@ -393,7 +394,7 @@ class ClusterTopology(Topology):
 
     def refresh(self) -> None:
         """Read the slot map again (after a MOVED reply or a failed node)."""
-        with _cluster_errors():
+        with cluster_errors():
             self._nodes.initialize()
 
     def close(self) -> None:
@@ -403,7 +404,7 @@ class ClusterTopology(Topology):
 
 
 @contextlib.contextmanager
-def _cluster_errors() -> Iterator[None]:
+def cluster_errors() -> Iterator[None]:
     """redis-py's cluster errors (not ``RedisError``s) as the connection errors they are.
 
     No node reachable (``RedisClusterException``), a slot no node serves

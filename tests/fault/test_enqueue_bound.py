@@ -19,7 +19,7 @@ from celery import Celery
 
 from celery_redislock import SingletonTask
 from tests.brokers import declare_as_a_worker_would, queue_length
-from tests.servers import RedisServer
+from tests.servers import RedisServer, free_port
 
 pytestmark = [pytest.mark.fault]
 
@@ -88,3 +88,20 @@ def test_the_bound_is_a_setting(
     elapsed, _ = timed_delay(job, 2)  # again, on the connection the first one dropped
     assert elapsed < 0.2 + PUBLISH_SLACK, f"delay() blocked {elapsed:.2f} s"
     assert queue_length(app) == 2
+
+
+@pytest.mark.parametrize("mode", list(OPTIONS))
+def test_delay_against_an_unreachable_cluster_publishes(
+    app_factory: Callable[..., Celery], server: RedisServer, mode: str
+) -> None:
+    # redis-py's cluster client raises RedisClusterException (not a
+    # RedisError) when no startup node answers: it escaped delay() (helper-44).
+    app = app_factory(redislock_url=f"redis+cluster://127.0.0.1:{free_port()}")
+
+    @app.task(base=SingletonTask, shared=False, **OPTIONS[mode])
+    def job(n: int) -> None: ...
+
+    declare_as_a_worker_would(app)
+    elapsed, result = timed_delay(job, 1)
+    assert queue_length(app) == 1, "the call was not published"
+    assert result.id and elapsed < 1.0 + PUBLISH_SLACK

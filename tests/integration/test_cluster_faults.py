@@ -13,7 +13,7 @@ from redis.cluster import RedisCluster
 
 from celery_redislock import LockBackendError, RedisLock
 from celery_redislock.store import LockStore, RenewOutcome
-from tests.servers import RedisClusterServers, RedisServer, cluster_node, wait_until
+from tests.servers import RedisClusterServers, RedisServer, cluster_node, free_port, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -82,6 +82,18 @@ def test_an_unreachable_cluster_is_a_lock_store_error_and_never_escapes_a_releas
         assert lock.release() is None  # logged; the TTL frees the key
     finally:
         client.close()
+
+
+def test_a_cluster_url_no_node_of_which_answers_is_a_lock_store_error() -> None:
+    # redis-py's cluster client raises RedisClusterException (not a
+    # RedisError) when no startup node answers (helper-44).
+    store = LockStore(f"redis+cluster://127.0.0.1:{free_port()}", QUICK)
+    with pytest.raises(LockBackendError, match="unavailable"):
+        store.acquire(KEY, "v1|me|0|h|1|n|job|0", 30_000)
+    with pytest.raises(LockBackendError, match="unavailable"):
+        store.release(KEY, "v1|me|0|h|1|n|job|0")
+    with pytest.raises(LockBackendError, match="unavailable"):
+        store.inspect(KEY)
 
 
 def test_a_release_against_a_frozen_cluster_gives_up_within_its_short_timeout(

@@ -177,6 +177,8 @@ def check_url(url: str) -> None:
     # redis-py hands a query option it does not parse to the connection as is.
     check_options(dict.fromkeys(parse_qs(urlsplit(url).query)))
     if base == "unix":
+        if not urlsplit(url).path:
+            raise ValueError("a unix:// URL needs the socket's path (unix:///run/redis.sock)")
         return  # the database is a query option (?db=2), which parse_url checked
     database = urlsplit(f"{base}://{rest}").path.strip("/")
     if database and not database.isdigit():
@@ -206,6 +208,10 @@ def _option_names() -> frozenset[str]:
 
 #: Options whose value redis-py uses only once connected (a str failed every command).
 _SECONDS = ("socket_timeout", "socket_connect_timeout", "health_check_interval")
+#: Of those, the socket's own: 0 makes it non-blocking (every read fails with EAGAIN).
+_SOCKET_SECONDS = ("socket_timeout", "socket_connect_timeout")
+#: Flags redis-py reads by truth value: a str ("no") would turn them on.
+_FLAGS = ("retry_on_timeout", "socket_keepalive")
 
 
 def check_options(options: Mapping[str, Any]) -> None:
@@ -230,6 +236,15 @@ def check_options(options: Mapping[str, Any]) -> None:
             number = isinstance(value, (int, float)) and not isinstance(value, bool)
             if not number or not 0 <= value < math.inf:
                 raise ValueError(f"{name} must be a number of seconds >= 0 or None, got {value!r}")
+            if name in _SOCKET_SECONDS and value == 0:
+                raise ValueError(
+                    f"{name} must be more than 0 seconds, or None (0 makes the socket "
+                    "non-blocking: every read fails at once)"
+                )
+        if name in _FLAGS and value is not None and not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False, got {value!r}")
+        if name == "protocol" and value not in (None, 2, 3, "2", "3"):
+            raise ValueError(f"protocol must be 2 or 3 (RESP2, RESP3), got {value!r}")
         whole = isinstance(value, int) and not isinstance(value, bool)
         if name == "max_connections" and value is not None and not (whole and value >= 1):
             raise ValueError(f"max_connections must be an int >= 1 or None, got {value!r}")

@@ -8,6 +8,8 @@ get the closest known one ("did you mean ...?").
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Mapping
 from difflib import get_close_matches
 from typing import Any
 
@@ -16,11 +18,19 @@ from celery_redislock.setting_specs import SETTINGS, TASK_OPTIONS
 from celery_redislock.validators import (
     check_debounce_combination,
     check_limit_combination,
+    check_unused_options,
+    debounce_wait_error,
     unknown_option_errors,
     validate_enqueue_mode,
 )
 
-__all__ = ["raise_for", "resolve_settings", "validate_app_settings", "validate_task_options"]
+__all__ = [
+    "check_merged_task_options",
+    "raise_for",
+    "resolve_settings",
+    "validate_app_settings",
+    "validate_task_options",
+]
 
 
 _SETTING_PREFIX = "redislock_"
@@ -87,6 +97,7 @@ def resolve_settings(conf: Any) -> tuple[dict[str, Any], list[str]]:
             values[spec.name] = spec.validate(spec.default if raw is None else raw, where)
         except ConfigurationError as exc:
             errors.append(str(exc))
+    errors += _combination_errors(values)
     if "redislock_url" in values and values["redislock_url"] is None:
         broker = conf.get("broker_url")
         if not (isinstance(broker, str) and broker.startswith(("redis://", "rediss://"))):
@@ -95,6 +106,23 @@ def resolve_settings(conf: Any) -> tuple[dict[str, Any], list[str]]:
                 "or CELERY_REDISLOCK_URL with the CELERY namespace) and the broker is not Redis"
             )
     return values, errors
+
+
+def _combination_errors(values: Mapping[str, Any]) -> list[str]:
+    """Messages for app settings that are each usable but not together."""
+    errors = []
+    ttl, renew_timeout = values.get("redislock_ttl"), values.get("redislock_renew_timeout")
+    if ttl is not None and renew_timeout is not None and renew_timeout >= ttl:
+        errors.append(
+            f"redislock_renew_timeout={renew_timeout:g} is not shorter than "
+            f"redislock_ttl={ttl:g}: one renewal round waiting that long lets every lock "
+            "expire; keep it well under the TTL (default 0.5 s)"
+        )
+    too_short = debounce_wait_error(
+        ("redislock_debounce", values.get("redislock_debounce") or 0.0),
+        ("redislock_debounce_max_wait", values.get("redislock_debounce_max_wait")),
+    )
+    return [*errors, too_short] if too_short else errors
 
 
 def raise_for(errors: list[str]) -> None:
@@ -145,7 +173,7 @@ def validate_task_options(cls: type, where: str, base: type | None = None) -> No
             for klass in reversed(cls.__mro__)
             if issubclass(klass, base) and klass is not base
             for name, value in vars(klass).items()
-            if name.startswith("lock_") and name not in helpers
+            if name not in helpers and _reserved(name)
         }
     errors = unknown_option_errors(unknown, TASK_OPTIONS)
     for spec in SETTINGS:
@@ -171,8 +199,75 @@ def validate_task_options(cls: type, where: str, base: type | None = None) -> No
         getattr(cls, "lock_hold_after_success", None) or 0,
         where,
     )
+    too_short = debounce_wait_error(
+        ("lock_debounce", getattr(cls, "lock_debounce", None) or 0.0),
+        ("lock_debounce_max_wait", getattr(cls, "lock_debounce_max_wait", None)),
+    )
+    if too_short:
+        raise ConfigurationError(f"{where}: {too_short}")
     key_function = getattr(cls, "lock_key", None)
     if key_function is not None and not callable(key_function):
         raise ConfigurationError(f"{where}: lock_key must be callable, got {key_function!r}")
+    if key_function is not None:
+        _check_key_function(key_function, where)
     if key_function is not None and getattr(cls, "lock_args", None) is not None:
         raise ConfigurationError(f"{where}: set lock_args or lock_key, not both")
+
+
+def _reserved(name: str) -> bool:
+    """A ``lock_*`` name, or one so close to an option that it is a typo (``locks_args``)."""
+    if name.startswith("lock_"):
+        return True
+    return name.startswith("lock") and bool(get_close_matches(name, TASK_OPTIONS, 1, 0.85))
+
+
+def _check_key_function(key_function: Any, where: str) -> None:
+    """Refuse a ``lock_key`` that cannot be called as ``lock_key(args, kwargs)``.
+
+    Raises:
+        ConfigurationError: it takes other arguments (found at the class
+            statement, not at every ``delay()`` and run as a ``TypeError``).
+    """
+    try:
+        signature = inspect.signature(key_function)
+    except (TypeError, ValueError):  # a builtin without a signature: called as it is
+        return
+    try:
+        signature.bind((), {})
+    except TypeError as exc:
+        raise ConfigurationError(
+            f"{where}: lock_key{signature} cannot be called as lock_key(args, kwargs): {exc}"
+        ) from None
+
+
+def check_merged_task_options(
+    task: Any, debounce: float, max_wait: float | None, enqueue: bool, where: str
+) -> None:
+    """Refuse what a task's options mean only beside the app's settings.
+
+    Raises:
+        ConfigurationError: a task option without effect, or a debounce cap
+            shorter than its window, each naming where its values came from.
+    """
+    own = {name for name in ("lock_debounce", "lock_debounce_max_wait", "lock_enqueue_raise")
+           if getattr(task, name, None) is not None}  # fmt: skip
+    check_unused_options(
+        {
+            name: is_on
+            for name, is_on in (
+                ("lock_debounce_max_wait", bool(debounce)),
+                ("lock_enqueue_raise", enqueue),
+            )
+            if name in own
+        },
+        where,
+    )
+    too_short = debounce_wait_error(
+        (("lock_" if "lock_debounce" in own else "redislock_") + "debounce", debounce),
+        (
+            ("lock_" if "lock_debounce_max_wait" in own else "redislock_") + "debounce_max_wait",
+            None if max_wait is None else float(max_wait),
+        ),
+    )
+    if too_short:
+        raise ConfigurationError(f"{where}: {too_short}")

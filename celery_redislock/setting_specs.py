@@ -128,7 +128,8 @@ SETTINGS: tuple[SettingSpec, ...] = (
         "redislock_renew_timeout",
         None,
         0.5,
-        "Socket timeout of the renewer's own connection (it never retries inside redis-py).",
+        "Socket timeout of the renewer's own connection (it never retries inside redis-py); "
+        "shorter than `redislock_ttl`.",
         validate_ttl,
     ),
     SettingSpec(
@@ -218,7 +219,7 @@ SETTINGS: tuple[SettingSpec, ...] = (
         "lock_debounce_max_wait",
         None,
         "Longest delay from a burst's first call to its run, so a burst that never ends "
-        "still runs.",
+        "still runs; at least the window.",
         validate_max_wait,
         default_doc="ten windows",
     ),

@@ -27,6 +27,7 @@ from celery_redislock.clients import bounded_options
 from celery_redislock.handoff import publisher as handoff_publisher
 from celery_redislock.policies import ContentionPolicy, resolve_policy, uses_handoff
 from celery_redislock.setting_checks import (
+    check_merged_task_options,
     raise_for,
     resolve_settings,
     validate_app_settings,
@@ -267,6 +268,7 @@ class TaskSettings:
         where = f"task {getattr(task, 'name', task)}"
         check_limit_combination(limit, enqueue == "until_done", hold, where)
         check_debounce_combination(debounce, enqueue != "off", where)
+        check_merged_task_options(task, debounce, max_wait, enqueue != "off", where)
         return cls(
             app=app,
             backend=app.backend,

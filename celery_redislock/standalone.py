@@ -21,8 +21,8 @@ from celery_redislock.exceptions import ConfigurationError, LockBackendError, Lo
 from celery_redislock.leasing import Lease
 from celery_redislock.outcomes import AcquireResult
 from celery_redislock.owners import Hold, Holds
-from celery_redislock.settings import validate_ttl
 from celery_redislock.tokens import LockOwner, LockValue
+from celery_redislock.validators import validate_ttl, validate_wait_timeout
 
 __all__ = ["StandaloneLock", "blocking_waits"]
 
@@ -122,7 +122,7 @@ class StandaloneLock(Generic[H, S, C]):
         self.ttl = validate_ttl(ttl, f"{self._kind} ttl")
         self.renew = renew
         self.blocking = blocking
-        self.timeout = timeout
+        self.timeout = validate_wait_timeout(timeout, f"{self._kind} timeout")
         self.reentrant = reentrant
         self.client = client
         self.backend: S = self._shared_store(client) if store is None else store
@@ -211,7 +211,7 @@ class StandaloneLock(Generic[H, S, C]):
         value = LockValue.new_encoded(LockOwner.current(None, 0, None), self.name)
         return (
             self.blocking if blocking is None else blocking,
-            self.timeout if timeout is None else timeout,
+            self.timeout if timeout is None else validate_wait_timeout(timeout, "timeout"),
             value,
             max(int(self.ttl * 1000), 1),
             clock(),

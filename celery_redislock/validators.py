@@ -75,6 +75,19 @@ def validate_ttl(ttl: Any, where: str) -> float:
     return float(ttl)
 
 
+def validate_wait_timeout(timeout: Any, where: str) -> float | None:
+    """Return a blocking wait's longest time in seconds, or None (as long as it takes)."""
+    if timeout is None:
+        return None
+    number = isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+    if not number or not 0 <= timeout < float("inf"):
+        raise ConfigurationError(
+            f"{where} must be None (wait as long as it takes) or a finite number of seconds "
+            f">= 0, got {timeout!r}"
+        )
+    return float(timeout)
+
+
 BACKEND_ERROR_MODES = ("fail", "run")
 
 
@@ -92,6 +105,9 @@ def unknown_option_errors(defined: Mapping[str, Any], options: Sequence[str]) ->
             continue
         shown = name if callable(value) else f"{name}={value!r}"
         guesses = get_close_matches(name.removeprefix("lock_"), list(bare), n=1, cutoff=0.6)
+        if not guesses:  # "locks_args": the prefix itself misspelled
+            whole = get_close_matches(name, list(options), n=1, cutoff=0.85)
+            guesses = [option.removeprefix("lock_") for option in whole]
         if guesses:
             hint = f"; did you mean {bare[guesses[0]]}?"
         else:
@@ -216,6 +232,39 @@ def check_debounce_combination(debounce: float, enqueue: bool, where: str) -> No
             "already joins the burst's run; under an app-wide redislock_enqueue, give the "
             "debounced task lock_enqueue=False)"
         )
+
+
+def debounce_wait_error(debounce: tuple[str, float], max_wait: tuple[str, float | None]) -> str:
+    """What is wrong with a debounce cap shorter than its window (each a ``(name, value)``).
+
+    Returns the message, or "" when nothing is: with a shorter cap, every
+    burst would run at the cap, never a window after its last call.
+    """
+    (debounce_name, window), (wait_name, cap) = debounce, max_wait
+    if not window or cap is None or cap >= window:
+        return ""
+    return (
+        f"{wait_name}={cap:g} is shorter than {debounce_name}={window:g}: every burst would "
+        f"run {cap:g} s after its first call, never {window:g} s after its last; make it at "
+        "least the window (unset: ten windows)"
+    )
+
+
+def check_unused_options(set_by_task: Mapping[str, bool], where: str) -> None:
+    """Refuse a task option that the task's other settings leave without effect.
+
+    ``set_by_task``: option name -> whether the option it needs is on.
+
+    Raises:
+        ConfigurationError: naming the option and the one it needs.
+    """
+    needs = {"lock_debounce_max_wait": "lock_debounce", "lock_enqueue_raise": "lock_enqueue"}
+    for option, needed_is_on in set_by_task.items():
+        if not needed_is_on:
+            raise ConfigurationError(
+                f"{where}: {option} is set but {needs[option]} is off, so it would do "
+                f"nothing; turn {needs[option]} on, or remove {option}"
+            )
 
 
 def validate_hold(value: Any, where: str) -> float:

@@ -113,15 +113,23 @@ def publish_once(
     key = task.lock_key_for_received(*received, settings)
     if settings.debounce:
         return _publish_debounced(task, settings, publish, key, args, kwargs, options)
+    # Celery applies the task's own ``expires`` after this (its apply_async).
+    expires = options["expires"] if "expires" in options else getattr(task, "expires", None)
+    if settings.coalesce and expires is not None:
+        # The calls that join a queued run share its fate: one that may
+        # expire before it starts would take them along (review helper-44
+        # F2). It is published as a run of its own, which nobody joins; at
+        # the worker it waits behind the holder as every coalesced run does.
+        return publish(args, kwargs, **options)
     task_id = options.pop("task_id", None) or uuid()
     token = LockValue.queued(task_id, task.name).encode()
     delay = seconds_until(options.get("eta") or options.get("countdown"))
     ttl = settings.enqueue_ttl + delay
-    if options.get("expires") is not None:
+    if expires is not None:
         # Never past the message's own expiry: RabbitMQ drops an expired
         # message itself (Celery sets its expiration), so no worker sees it
         # to revoke it and free this key.
-        ttl = min(ttl, seconds_until(options["expires"]) + _EXPIRY_MARGIN)
+        ttl = min(ttl, seconds_until(expires) + _EXPIRY_MARGIN)
     headers = {**(options.pop("headers", None) or {}), QUEUED_TOKEN_HEADER: token}
     lock_key = key
     if settings.coalesce:

@@ -233,7 +233,9 @@ def test_a_call_after_a_revoked_run_handed_its_key_to_a_discarded_retry_is_publi
 
 
 @pytest.mark.skipif(RABBITMQ, reason="RabbitMQ drops an expired message itself")
-@pytest.mark.parametrize("enqueue", [True, "until_start"])
+# Not "until_start": a coalesced call that may expire takes no key (it is
+# published as a run of its own: tests/worker/test_coalesce_expiry.py).
+@pytest.mark.parametrize("enqueue", [True])
 def test_an_expired_call_frees_its_key_before_revoked_is_stored(
     app_factory: Any,
     record: redis.Redis,

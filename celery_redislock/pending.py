@@ -220,6 +220,14 @@ class PendingIndex:
         """
         return TOUCH, (self.index,), (member, max(int(delay_ms), 0))
 
+    def look_at_parked(self, key: str, limit: int, delay_ms: int) -> None:
+        """Ask a sweep to look at the calls parked on ``key`` in ``delay_ms`` at the latest.
+
+        Raises:
+            LockBackendError: the lock store did not answer.
+        """
+        self._run([self.touch_call(Member.parked(key, limit), delay_ms)], "schedule")
+
     def _run(self, calls: Sequence[ScriptCall], operation: str) -> list[Any]:
         try:
             return self.store.run_scripts(calls, short=True)

@@ -736,6 +736,41 @@ def test_parked_calls_behind_an_idempotency_window_run_in_the_order_they_parked(
         assert 3.0 <= start - end < 4.5, f"{label} started {start - end:.3f}s after the run before"
 
 
+def test_a_call_parked_behind_a_window_shorter_than_the_ttl_runs_when_the_window_ends(
+    app_factory: Any, record: redis.Redis
+) -> None:
+    """The sweep looks at the key when the window ends, not one run TTL after the park.
+
+    A parked call's sweep was due one holder TTL (10 s) after it parked; the
+    holder's 2 s window ended long before (review helper-44 F3).
+    """
+    app = app_factory(redislock_sweep_interval=0.2)
+
+    @app.task(
+        base=SingletonTask,
+        shared=False,
+        lock_args=(),
+        lock_ttl=10,
+        lock_hold_after_success=2,
+        lock_on_contention=HandOff(jitter=0.0),
+    )
+    def job(label: str, seconds: float) -> str:
+        start = time.time()
+        time.sleep(seconds)
+        record.rpush("spans", f"{start}|{time.time()}|{label}")
+        return label
+
+    with embedded_worker(app, "threads", 2):
+        holder = job.delay("holder", 0.3)
+        wait_until(lambda: _held(app, job), timeout=20)
+        waiter = job.delay("waiter", 0.05)
+        wait_until(lambda: _parked(app, job) >= 1, timeout=20)
+        assert holder.get(timeout=20) == "holder"
+        assert waiter.get(timeout=20) == "waiter"
+    (_, end, _), (start, _, _) = _spans(record, "spans")
+    assert 2.0 <= start - end < 3.5, f"it started {start - end:.3f}s after the holder ended"
+
+
 def _max_overlap(record: redis.Redis, name: str) -> int:
     """Most bodies running at once, from the ``start|end`` spans recorded in ``name``."""
     edges = sorted(

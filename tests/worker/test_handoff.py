@@ -695,6 +695,26 @@ def test_a_call_that_gives_up_after_max_wait_never_runs_later(
     assert record.lrange("runs", 0, -1) == []
 
 
+def _windowed_job(app: Celery, record: redis.Redis, ttl: float, hold: float, jitter: float) -> Any:
+    """A hand-off task that keeps its key ``hold`` s after it succeeds; spans in ``spans``."""
+
+    @app.task(
+        base=SingletonTask,
+        shared=False,
+        lock_args=(),
+        lock_ttl=ttl,
+        lock_hold_after_success=hold,
+        lock_on_contention=HandOff(jitter=jitter),
+    )
+    def job(label: str, seconds: float) -> str:
+        start = time.time()
+        time.sleep(seconds)
+        record.rpush("spans", f"{start}|{time.time()}|{label}")
+        return label
+
+    return job
+
+
 def test_parked_calls_behind_an_idempotency_window_run_in_the_order_they_parked(
     app_factory: Any, record: redis.Redis
 ) -> None:
@@ -705,21 +725,7 @@ def test_parked_calls_behind_an_idempotency_window_run_in_the_order_they_parked(
     the key free hands it to the call that parked first.
     """
     app = app_factory(redislock_sweep_interval=0.2)
-
-    @app.task(
-        base=SingletonTask,
-        shared=False,
-        lock_args=(),
-        lock_ttl=2,
-        lock_hold_after_success=3,
-        lock_on_contention=HandOff(jitter=1.0),
-    )
-    def job(label: str, seconds: float) -> str:
-        start = time.time()
-        time.sleep(seconds)
-        record.rpush("spans", f"{start}|{time.time()}|{label}")
-        return label
-
+    job = _windowed_job(app, record, ttl=2, hold=3, jitter=1.0)
     with embedded_worker(app, "threads", 4):
         holder = job.delay("holder", 0.3)
         wait_until(lambda: _held(app, job), timeout=20)
@@ -745,21 +751,7 @@ def test_a_call_parked_behind_a_window_shorter_than_the_ttl_runs_when_the_window
     holder's 2 s window ended long before (review helper-44 F3).
     """
     app = app_factory(redislock_sweep_interval=0.2)
-
-    @app.task(
-        base=SingletonTask,
-        shared=False,
-        lock_args=(),
-        lock_ttl=10,
-        lock_hold_after_success=2,
-        lock_on_contention=HandOff(jitter=0.0),
-    )
-    def job(label: str, seconds: float) -> str:
-        start = time.time()
-        time.sleep(seconds)
-        record.rpush("spans", f"{start}|{time.time()}|{label}")
-        return label
-
+    job = _windowed_job(app, record, ttl=10, hold=2, jitter=0.0)
     with embedded_worker(app, "threads", 2):
         holder = job.delay("holder", 0.3)
         wait_until(lambda: _held(app, job), timeout=20)

@@ -175,7 +175,15 @@ def check_url(url: str) -> None:
     base = scheme.split("+")[0]
     parse_url(f"{base}://{rest}")  # type: ignore[no-untyped-call]
     # redis-py hands a query option it does not parse to the connection as is.
-    check_options(dict.fromkeys(parse_qs(urlsplit(url).query)))
+    query = parse_qs(urlsplit(url).query)
+    check_options(dict.fromkeys(query))
+    for name in _SOCKET_SECONDS:
+        try:
+            zero = float(query.get(name, ["1"])[-1]) == 0
+        except ValueError:  # not a number: parse_url refused it already
+            zero = False
+        if zero:
+            raise ValueError(f"{name}=0 makes the socket non-blocking (every read fails)")
     if base == "unix":
         if not urlsplit(url).path:
             raise ValueError("a unix:// URL needs the socket's path (unix:///run/redis.sock)")

@@ -193,7 +193,7 @@ def read_replies(sock: Any, count: int) -> list[Any]:
             after the replies (the connection must be dropped).
     """
     buffer = _recv(sock)
-    if count == 1 and buffer.find(b"\r\n") == len(buffer) - 2:
+    if count == 1 and 0 < buffer.find(b"\r\n") == len(buffer) - 2:
         # One reply of one line, read whole (nearly every lock command's):
         # parsed without the general loop. Not an array's or a bulk
         # string's header: the rest of it is still to come.

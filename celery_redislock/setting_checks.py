@@ -229,7 +229,9 @@ def _check_key_function(key_function: Any, where: str) -> None:
             statement, not at every ``delay()`` and run as a ``TypeError``).
     """
     try:
-        signature = inspect.signature(key_function)
+        # Not followed to a function it wraps: an adapter made with
+        # functools.wraps takes (args, kwargs) whatever the adapted one takes.
+        signature = inspect.signature(key_function, follow_wrapped=False)
     except (TypeError, ValueError):  # a builtin without a signature: called as it is
         return
     try:
@@ -249,8 +251,11 @@ def check_merged_task_options(
         ConfigurationError: a task option without effect, or a debounce cap
             shorter than its window, each naming where its values came from.
     """
+    # Set on the task's own class: one a shared base class sets is a
+    # default, as an app-wide setting is (review helper-45 F4).
+    defined = vars(type(task))
     own = {name for name in ("lock_debounce", "lock_debounce_max_wait", "lock_enqueue_raise")
-           if getattr(task, name, None) is not None}  # fmt: skip
+           if defined.get(name) is not None}  # fmt: skip
     check_unused_options(
         {
             name: is_on

@@ -84,6 +84,11 @@ def test_replies_split_anywhere_are_read_whole(
         (b"*2\r\n", b":1\r\n:2\r\n", [1, 2]),
         (b"$5\r\n", b"hello\r\n", b"hello"),
         (b"$0\r\n", b"\r\n", b""),
+        # A first read of one byte (a proxy forwarding byte by byte): no
+        # CR LF in it yet, which the fast path took for one at its end.
+        (b":", b"1\r\n", 1),
+        (b"+", b"OK\r\n", b"OK"),
+        (b"$", b"-1\r\n", None),
     ],
 )
 def test_one_reply_whose_first_read_ends_at_a_line_end_is_read_whole(

@@ -7,6 +7,7 @@ standalone lock when it is constructed.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -23,8 +24,8 @@ def new_app(**conf: Any) -> Celery:
     return app
 
 
-def locked_task(app: Celery, **options: Any) -> Any:
-    @app.task(base=SingletonTask, shared=False, name=f"job{len(app.tasks)}", **options)
+def locked_task(app: Celery, base: type = SingletonTask, **options: Any) -> Any:
+    @app.task(base=base, shared=False, name=f"job{len(app.tasks)}", **options)
     def job(x: int) -> None: ...
 
     return job
@@ -113,3 +114,39 @@ def test_a_standalone_lock_with_an_unusable_timeout_is_refused_when_made(timeout
     lock = RedisLock(client, "report")
     with pytest.raises(ConfigurationError, match="timeout"):
         lock.acquire(timeout=timeout)
+
+
+def test_an_option_a_shared_base_class_sets_is_a_default_not_a_mistake() -> None:
+    # Like an app-wide setting: for the tasks of the base that enqueue or
+    # debounce (review helper-45 F4: the worker refused to start).
+    class ProjectTask(SingletonTask):
+        abstract = True
+        lock_enqueue_raise = True
+        lock_debounce_max_wait = 30
+
+    app = new_app()
+    plain = locked_task(app, base=ProjectTask)
+    assert plain.lock_settings().debounce == 0
+    with pytest.raises(ConfigurationError, match="lock_enqueue_raise"):
+        locked_task(app, base=ProjectTask, lock_enqueue_raise=True).lock_settings()
+
+
+def test_a_lock_key_adapter_made_with_functools_wraps_is_accepted() -> None:
+    # inspect.signature follows __wrapped__ to the adapted function's own
+    # arguments; the adapter itself takes (args, kwargs) (helper-45 F5).
+    def by_account(account: int) -> str:
+        return f"account:{account}"
+
+    @functools.wraps(by_account)
+    def adapter(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        return by_account(*args, **kwargs)
+
+    task = locked_task(new_app(), lock_key=adapter)
+    assert task.lock_key_for((7,), {}).endswith("{account:7}")
+
+
+@pytest.mark.parametrize("option", ["socket_timeout", "socket_connect_timeout"])
+def test_a_socket_timeout_of_0_in_the_url_is_refused_too(option: str) -> None:
+    app = new_app(redislock_url=f"redis://h:1/0?{option}=0")
+    with pytest.raises(ConfigurationError, match=option):
+        validate_app_settings(app.conf)

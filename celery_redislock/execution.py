@@ -300,20 +300,6 @@ class Execution(ParkingAttempt):
             kept = LockValue.kept(request.id or "", request.retries or 0, self.task.name)
             self.keep = (kept.encode(), hold)
 
-    def _look_at_parked_when_kept_ends(self, kept_for: float) -> None:
-        """A kept key hands itself to no parked call: a sweep does, when it expires.
-
-        The sweep was due one run TTL after the call parked; a window
-        shorter than that ended long before (review helper-44 F3). Best
-        effort: if the store does not answer, that first schedule stands.
-        """
-        try:
-            self.pending.look_at_parked(self.key, self.settings.limit, int(kept_for * 1000))
-        except LockBackendError as exc:
-            logger.warning(
-                "%s: the sweep keeps its schedule for %s: %s", self.task.name, self.key, exc
-            )
-
     def retrying(self, retry: CeleryRetry) -> None:
         """The body raised Retry: hand the key to the queued retry (``lock_enqueue``).
 
@@ -350,8 +336,6 @@ class Execution(ParkingAttempt):
         if self.handle is not None:
             if self.keep is not None:
                 self.handle.release(*self.keep)
-                if self.parks:
-                    self._look_at_parked_when_kept_ends(self.keep[1])
             else:
                 self.handle.release()
         elif self.unsettled:

@@ -227,6 +227,24 @@ def publisher(app: Celery) -> Callable[[str, str, bytes], None]:
     return publish
 
 
+def parked_looker(app: Celery, store: LockStore, prefix: str) -> Callable[[str, int], None]:
+    """Return ``store``'s ``on_kept_waited`` hook for ``app``: a sweep looks when the window ends.
+
+    A release that keeps its key (an idempotency window) hands it to no
+    parked call; the app's sweep does, once the kept value expires. Its look
+    was due one run TTL after the call parked (review helper-44 F3). Holds
+    the app and the store weakly (the app's settings hold the store).
+    """
+    app_ref, store_ref = weakref.ref(app), weakref.ref(store)
+
+    def look(key: str, kept_ms: int) -> None:
+        current, current_store = app_ref(), store_ref()
+        if current is not None and current_store is not None:
+            app_pending(current, current_store, prefix).look_at_parked(key, 1, kept_ms)
+
+    return look
+
+
 class _SignableTask(Protocol):
     @property
     def name(self) -> str: ...

@@ -41,6 +41,7 @@ from celery_redislock.tokens import without_mark
 logger = logging.getLogger("celery_redislock.backend")
 
 __all__ = [
+    "KEPT_WAITED",
     "RELEASE_RETRIED",
     "RENEW_CHUNK_SIZE",
     "TAKE_OVER",
@@ -54,6 +55,7 @@ __all__ = [
     "command_refused",
     "decode_text",
     "hand_off",
+    "kept_waited",
     "native_release",
     "release_call",
     "renew_call",
@@ -341,6 +343,31 @@ def renew_chunks(
         renew_call(items[start : start + RENEW_CHUNK_SIZE], fence_ttl_ms)
         for start in range(0, len(items), RENEW_CHUNK_SIZE)
     ]
+
+
+#: ``RELEASE_FULL_SCRIPT``'s reply: kept, and a parked call or a waiter had marked the key.
+KEPT_WAITED = 3
+
+
+def kept_waited(look: Callable[[str, int], None] | None, key: str, kept_ms: int) -> None:
+    """A release kept ``key`` for ``kept_ms`` and someone waits behind it: tell ``look``.
+
+    ``look`` is the store's ``on_kept_waited`` (the app's sweep schedule).
+    Never raises: without it, the sweep looks at the key on its first
+    schedule (one run TTL after the call parked), later but not never.
+    """
+    if look is None:
+        return
+    try:
+        look(key, kept_ms)
+    except Exception:
+        logger.warning(
+            "lock %s is kept for %d ms with calls behind it; the sweep keeps its first "
+            "schedule for them",
+            key,
+            kept_ms,
+            exc_info=True,
+        )
 
 
 def hand_off(publish: Callable[[str, str, bytes], None] | None, key: str, reply: Any) -> None:

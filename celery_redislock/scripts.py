@@ -147,7 +147,9 @@ return -1
 # ARGV[7] - how long the fence counter outlives the hold, in milliseconds
 # ARGV[8] - '1' when this is the retry of a release whose reply was lost
 # returns 1 if released or handed over (also when the key already holds
-#         ARGV[4]: a retried release whose first reply was lost), 0 if the
+#         ARGV[4]: a retried release whose first reply was lost), 3 when
+#         ARGV[4] was kept and a parked call or a waiter had marked the key
+#         (a sweep hands it over when the kept value expires), 0 if the
 #         key was already gone, -1 if another holder's value is there (left
 #         alone); {1, hand-off value, message} when it handed the lock to
 #         the first call parked on the key (see PARK): the caller publishes
@@ -165,6 +167,9 @@ if marked then
     current = string.sub(current, 1, -3)
 end
 if ARGV[4] ~= '' and current == ARGV[4] then
+    if marked then
+        return 3
+    end
     return 1
 end
 local ours
@@ -212,6 +217,9 @@ if marked then
 end
 if handed then
     return {1, handed[1], handed[2]}
+end
+if marked and ARGV[4] ~= '' then
+    return 3
 end
 return 1
 """

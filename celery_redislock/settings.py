@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from celery_redislock.clients import bounded_options
+from celery_redislock.handoff import parked_looker
 from celery_redislock.handoff import publisher as handoff_publisher
 from celery_redislock.policies import ContentionPolicy, resolve_policy, uses_handoff
 from celery_redislock.setting_checks import (
@@ -185,6 +186,7 @@ def _read(app: Celery) -> AppSettings:
 def _install_handoff(app: Celery, settings: AppSettings) -> AppSettings:
     """Let releases through this app's store publish the messages of parked executions."""
     settings.backend.on_handoff = handoff_publisher(app)
+    settings.backend.on_kept_waited = parked_looker(app, settings.backend, settings.key_prefix)
     settings.backend.handoff_ttl_ms = max(int(settings.ttl * 1000), 1)
     return settings
 

@@ -104,6 +104,9 @@ class StoreConnections:
         #: handed the lock to a parked execution; publishes that message
         #: (installed by the Celery side, see ``handoff.py``).
         self.on_handoff: Callable[[str, str, bytes], None] | None = None
+        #: Told ``(key, kept_ms)`` when a release keeps a value that a
+        #: parked call or a waiter had marked (see ``RELEASE_FULL_SCRIPT``).
+        self.on_kept_waited: Callable[[str, int], None] | None = None
         #: Milliseconds a lock handed to a parked execution waits for it to start.
         self.handoff_ttl_ms = 30_000
         #: The server takes ``SET NX GET`` (Redis >= 7, Valkey): cleared at its

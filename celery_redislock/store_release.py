@@ -12,12 +12,14 @@ from celery_redislock.exceptions import LockBackendError
 from celery_redislock.key_family import family_of
 from celery_redislock.outcomes import RELEASE_OUTCOMES, ReleaseOutcome
 from celery_redislock.protocol import (
+    KEPT_WAITED,
     ReleaseAttempts,
     accepted,
     after_native_release,
     after_retry,
     backend_error,
     hand_off,
+    kept_waited,
     native_release,
     release_call,
 )
@@ -124,6 +126,9 @@ class LockRelease(StoreConnections):
             raise backend_error(exc, "release", key, self.describe()) from exc
         if isinstance(reply, list):
             hand_off(self.on_handoff, key, reply)
+            return ReleaseOutcome.RELEASED
+        if reply == KEPT_WAITED:
+            kept_waited(self.on_kept_waited, key, keep_ms)
             return ReleaseOutcome.RELEASED
         return RELEASE_OUTCOMES.get(reply) or ReleaseOutcome(reply)
 

@@ -507,3 +507,39 @@ def test_a_proxy_class_is_not_taken_for_one_kind_of_client(
     lock = RedisLock(proxied, "proxied", ttl=5)  # type: ignore[arg-type]
     with lock:
         assert lock_client.exists("proxied")
+
+
+@pytest.mark.parametrize("marked", [True, False], ids=["waited-for", "nobody-waits"])
+def test_a_kept_release_tells_its_hook_when_someone_waits_behind_the_window(
+    backend: LockStore, lock_client: redis.Redis, marked: bool
+) -> None:
+    # A kept key hands itself to nobody: a sweep does when it expires, so the
+    # sweep must be told when that is, and only when a call is parked or
+    # waits (review helper-46 F1: every held run added an index member).
+    told: list[tuple[str, int]] = []
+    backend.on_kept_waited = lambda key, kept_ms: told.append((key, kept_ms))
+    value = "v1|id|0|h|1|n|t|0"
+    assert backend.acquire("k", value, 5000).acquired
+    if marked:
+        lock_client.append("k", "|w")  # what a parked call or a waiter does
+    kept = "v1|id|0|<done>|0|n2|t|0"
+    assert backend.release("k", value, keep=kept, keep_ms=2000) is ReleaseOutcome.RELEASED
+    assert told == ([("k", 2000)] if marked else [])
+    assert lock_client.get("k") == (kept + "|w" if marked else kept).encode()
+    # Sent again after a lost reply: it finds the kept value, and says the same.
+    told.clear()
+    assert backend.release("k", value, kept, 2000, resent=True) is ReleaseOutcome.RELEASED
+    assert told == ([("k", 2000)] if marked else [])
+
+
+def test_a_kept_release_whose_hook_fails_still_reports_released(
+    backend: LockStore, lock_client: redis.Redis
+) -> None:
+    def failing(key: str, kept_ms: int) -> None:
+        raise LockBackendError("the index is unreachable")
+
+    backend.on_kept_waited = failing
+    value = "v1|id|0|h|1|n|t|0"
+    assert backend.acquire("k", value, 5000).acquired
+    lock_client.append("k", "|w")
+    assert backend.release("k", value, "kept", 2000) is ReleaseOutcome.RELEASED

@@ -353,14 +353,17 @@ def kept_waited(look: Callable[[str, int], None] | None, key: str, kept_ms: int)
     """A release kept ``key`` for ``kept_ms`` and someone waits behind it: tell ``look``.
 
     ``look`` is the store's ``on_kept_waited`` (the app's sweep schedule).
-    Never raises: without it, the sweep looks at the key on its first
-    schedule (one run TTL after the call parked), later but not never.
+    A lock-store error is logged, not raised: without it, the sweep looks
+    at the key on its first schedule (one run TTL after the call parked),
+    later but not never. Anything else (a soft time limit landing in its
+    round trip) propagates: the caller sends the release again and re-raises
+    (review helper-47 F1: it was swallowed, and the task reported SUCCESS).
     """
     if look is None:
         return
     try:
         look(key, kept_ms)
-    except Exception:
+    except (LockBackendError, RedisError):
         logger.warning(
             "lock %s is kept for %d ms with calls behind it; the sweep keeps its first "
             "schedule for them",

@@ -153,15 +153,18 @@ class LockRelease(StoreConnections):
         releases someone waits for).
 
         Releases have connections of their own (short timeout, one retry), so
-        a frozen Redis delays a finishing task by at most two short attempts;
+        a frozen Redis delays a finishing task by at most two short attempts
+        (two more when a kept value has calls behind it and the store stalls
+        again just after answering: the sweep is told when the window ends);
         the TTL frees the key if both fail. An attempt whose reply was lost
         (or ``resent``: the caller sends the release again after an exception
         cut off the first one's reply) is followed by a retry: see
         :class:`~celery_redislock.protocol.ReleaseAttempts`.
 
         Returns:
-            1, 0, -1, or ``[1, hand-off value, message]`` (see
-            ``RELEASE_FULL_SCRIPT``).
+            1, 0, -1, 3 (``keep`` was left, and a parked call or a waiter
+            had marked the key: :meth:`_release` tells ``on_kept_waited``),
+            or ``[1, hand-off value, message]`` (see ``RELEASE_FULL_SCRIPT``).
         """
         lean = mode == "exact" and not keep and not settle
         attempts = ReleaseAttempts(key, resent)

@@ -543,3 +543,23 @@ def test_a_kept_release_whose_hook_fails_still_reports_released(
     assert backend.acquire("k", value, 5000).acquired
     lock_client.append("k", "|w")
     assert backend.release("k", value, "kept", 2000) is ReleaseOutcome.RELEASED
+
+
+def test_an_interruption_inside_the_kept_release_hook_is_not_swallowed(
+    backend: LockStore, lock_client: redis.Redis
+) -> None:
+    # A soft time limit (an Exception subclass) landing in the hook's round
+    # trip must reach give_back, which sends the release again and re-raises
+    # (review helper-47 F1: the task reported SUCCESS).
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    def interrupted(key: str, kept_ms: int) -> None:
+        raise SoftTimeLimitExceeded()
+
+    backend.on_kept_waited = interrupted
+    value = "v1|id|0|h|1|n|t|0"
+    assert backend.acquire("k", value, 5000).acquired
+    lock_client.append("k", "|w")
+    with pytest.raises(SoftTimeLimitExceeded):
+        backend.release("k", value, "kept", 2000)
+    assert lock_client.get("k") == b"kept|w"  # released (kept) before the hook ran

@@ -16,6 +16,8 @@ import re
 from collections.abc import Callable
 from typing import Generic, TypeVar, overload
 
+from redis.crc import key_slot
+
 T = TypeVar("T")
 
 __all__ = [
@@ -60,7 +62,7 @@ def _companion_stem(key: str) -> str:
         return f"{key}:"
     if "}" not in key:
         return f"{{{key}}}:"
-    return f"{{{_slot_tag(binascii.crc_hqx(key.encode(), 0) % _CLUSTER_SLOTS)}}}:{key}:"
+    return f"{{{_slot_tag(key_slot(key.encode()))}}}:{key}:"
 
 
 def _has_hash_tag(key: str) -> bool:
@@ -83,6 +85,7 @@ def _slot_tag(slot: int) -> str:
         tags = [-1] * _CLUSTER_SLOTS
         missing, number = _CLUSTER_SLOTS, 0
         while missing:
+            # key_slot's CRC without its hash-tag parsing (no brace in a number).
             slot_of = binascii.crc_hqx(b"%d" % number, 0) % _CLUSTER_SLOTS
             if tags[slot_of] < 0:
                 tags[slot_of] = number

@@ -110,11 +110,13 @@ def test_a_coalesced_run_not_started_in_time_is_copied_after_a_grace_then_less_o
     assert index.reap_queued(KEY, "id-1", PARK_TTL).outcome is Reaping.LATER
     copies: list[float] = []
     started = time.monotonic()
-    while len(copies) < 3:  # due at 0.3 s, then 0.2 s later, then 0.4 s later
+
+    def reap() -> bool:  # due at 0.3 s, then 0.2 s later, then 0.4 s later
         if index.reap_queued(KEY, "id-1", PARK_TTL).outcome is Reaping.PUBLISH:
             copies.append(time.monotonic() - started)
-        assert time.monotonic() - started < 10
-        time.sleep(0.01)
+        return len(copies) == 3
+
+    wait_until(reap, timeout=10, message="three copies")
     assert lock_client.hget(handoff_keys(KEY)[2], "handoff-1") == b"?"  # copies exist
     gaps = [b - a for a, b in itertools.pairwise(copies)]
     assert 0.15 < gaps[0] < gaps[1]  # a backlog is copied less and less often
@@ -134,13 +136,14 @@ def test_a_coalesced_run_not_started_in_time_is_copied_after_a_grace_then_less_o
 
 def test_a_run_stuck_in_a_backlog_is_copied_five_times_at_most(index: PendingIndex) -> None:
     index.queue_run(KEY, "token-1", PARK_TTL, "handoff-1", b"run-1", 0, "id-1", grace_ms=1)
-    copies = 0
-    deadline = time.monotonic() + 10
-    while index.reap_queued(KEY, "id-1", PARK_TTL).outcome is not Reaping.DONE:
-        copies += 1
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    assert copies == 5
+    reaped: list[Reaping] = []
+
+    def reap() -> bool:
+        reaped.append(index.reap_queued(KEY, "id-1", PARK_TTL).outcome)
+        return reaped[-1] is Reaping.DONE
+
+    wait_until(reap, timeout=10, interval=0.02, message="the run given up")
+    assert len(reaped) - 1 == 5
 
 
 def test_the_member_of_a_run_that_started_or_parked_is_forgotten_in_the_same_round_trip(

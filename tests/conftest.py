@@ -23,7 +23,7 @@ from celery.worker import state as worker_state
 
 from celery_redislock.settings import forget_app_settings
 from tests import brokers
-from tests.servers import RedisServer, wait_until
+from tests.servers import FaultProxy, RedisServer, wait_until
 
 BROKER_DB, RESULT_DB, LOCK_DB, RECORD_DB = 0, 1, 2, 3
 
@@ -77,6 +77,14 @@ def redis_server_factory() -> Iterator[Callable[..., RedisServer]]:
 def server(redis_server: RedisServer) -> RedisServer:
     redis_server.client().flushall()
     return redis_server
+
+
+@pytest.fixture
+def proxy(server: RedisServer) -> Iterator[FaultProxy]:
+    """A TCP proxy in front of ``server`` that can delay or cut its traffic."""
+    fault = FaultProxy(server.port)
+    yield fault
+    fault.close()
 
 
 @pytest.fixture

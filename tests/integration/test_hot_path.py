@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 
-import pytest
 import redis
 
 from celery_redislock import RedisLock
@@ -24,13 +22,6 @@ from tests.servers import FaultProxy, RedisServer, wait_until
 KEY = "redislock:t:{hot}"
 MINE = "v1|mine|0|here|1|n1|job|0"
 HOLDER = "v1|holder|0|elsewhere|1|n2|job|0"
-
-
-@pytest.fixture
-def proxy(server: RedisServer) -> Iterator[FaultProxy]:
-    fault = FaultProxy(server.port)
-    yield fault
-    fault.close()
 
 
 def test_a_free_keys_acquire_whose_reply_was_lost_is_granted_by_its_retry(

@@ -33,13 +33,6 @@ HOLDER = "v1|holder|0|elsewhere|1|ab|job|0"
 QUICK = {"socket_timeout": 0.3, "socket_connect_timeout": 0.3}
 
 
-@pytest.fixture
-def proxy(server: RedisServer) -> Iterator[FaultProxy]:
-    fault = FaultProxy(server.port)
-    yield fault
-    fault.close()
-
-
 def test_a_holders_ttl_that_cannot_be_read_is_unknown_not_an_error(
     proxy: FaultProxy, lock_client: redis.Redis
 ) -> None:

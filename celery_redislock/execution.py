@@ -106,6 +106,8 @@ class Execution(ParkingAttempt):
         task, request, settings = self.task, self.request, self.settings
         started = clock()
         try:
+            if self.handoff:
+                self._drop_if_revoked()
             if self.debounced:
                 self._wait_for_debounce()
             result = self._acquire()

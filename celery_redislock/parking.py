@@ -167,6 +167,43 @@ class ParkingAttempt(LockAttempt):
                 exc_info=True,
             )
 
+    def _drop_if_revoked(self) -> None:
+        """Drop this copy of a parked call as REVOKED if a worker marked the call revoked.
+
+        On quorum queues a parked call's copies wait in the broker, so the
+        workers a revoke reaches hold none of them: they mark the call
+        revoked in the lock store (``revoked.py``), while Celery's own list
+        of revoked ids lives in memory, gone from a worker restarted since
+        (review helper-48: such a copy ran). Withdrawn, the lock handed to
+        it passes on. One ``GET``, for the copies of parked calls only.
+        """
+        task, request = self.task, self.request
+        try:
+            revoked = self.pending.was_revoked(request.id or "")
+        except LockBackendError:
+            return  # not known: as before a revoke
+        if not revoked:
+            return
+        self._withdraw()
+        logger.info(
+            "%s[%s] was revoked while parked; dropped (lock %s passes on)",
+            task.name,
+            request.id,
+            self.key,
+        )
+        # What Celery does with a message it knows is revoked.
+        stored = not task.ignore_result or task.store_errors_even_if_ignored
+        try:
+            task.backend.mark_as_revoked(
+                request.id, "revoked", request=request, store_result=stored
+            )
+            task.send_event("task-revoked", terminated=False, signum=None, expired=False)
+        except Exception:  # the result backend failing must not run the call after all
+            logger.warning(
+                "could not store REVOKED for %s[%s]", task.name, request.id, exc_info=True
+            )
+        raise Ignore()
+
     def _drop_second_copy(self) -> NoReturn:
         """Drop this copy: another copy of the same parked execution was granted the lock."""
         logger.info(

@@ -42,6 +42,18 @@ class LockedTask(ResendableTask, Protocol):
     def expires(self) -> Any:
         """Celery's default ``expires`` of the task's calls (``None``: none)."""
 
+    @property
+    def backend(self) -> Any:
+        """The task's result backend."""
+
+    @property
+    def ignore_result(self) -> bool:
+        """Whether the task's results are not stored."""
+
+    @property
+    def store_errors_even_if_ignored(self) -> bool:
+        """Whether a failure is stored although results are not."""
+
     def lock_settings(self) -> TaskSettings:
         """The task's effective settings."""
 

@@ -920,6 +920,42 @@ def test_a_revoked_parked_call_leaves_the_queue_when_a_copy_of_it_arrives(
     assert record.lrange("runs", 0, -1) == ["later"]
 
 
+def test_a_parked_call_revoked_where_no_worker_held_it_never_runs(
+    app: Celery, record: redis.Redis, lock_client: redis.Redis
+) -> None:
+    """The revoke's mark, not Celery's memory, withdraws it when a copy arrives (helper-48).
+
+    On quorum queues a parked call's copies wait in the broker: the workers
+    the revoke reaches hold none, so they mark the call revoked in the lock
+    store; a worker restarted since (Celery keeps revoked ids in memory)
+    receives the woken copy without knowing. It must not run: the copy is
+    dropped as REVOKED and the key passes on.
+    """
+    from celery_redislock.handoff import app_pending
+
+    @app.task(base=SingletonTask, shared=False, lock_args=(), lock_on_contention="handoff")
+    def job(label: str) -> str:
+        record.rpush("runs", label)
+        return label
+
+    settings = job._lock_settings()
+    key = job.lock_key_for(("x",), {})
+    waiters = handoff_keys(key)[0]
+    holder = "v1|holder|0|elsewhere|1|ab|job|0"
+    lock_client.set(key, holder, px=60_000)
+    with embedded_worker(app, "threads", 2):
+        parked = job.delay("revoked")
+        wait_until(lambda: lock_client.llen(waiters) == 1, timeout=20)
+        # What a worker that held none of its messages did with the revoke.
+        app_pending(app, settings.backend, settings.app.key_prefix).mark_revoked(parked.id, 60_000)
+        settings.backend.release(key, holder)  # hands the key to the parked call, wakes it
+        wait_until(lambda: parked.state == "REVOKED", timeout=20)
+        wait_until(lambda: not lock_client.exists(key), timeout=20)  # passed on: freed
+        assert lock_client.llen(waiters) == 0
+        assert job.delay("later").get(timeout=20) == "later"
+    assert record.lrange("runs", 0, -1) == ["later"]
+
+
 def _revoked_in_worker(app: Celery, task_id: str) -> bool:
     """The worker has recorded the revoke (Celery's in-memory list of revoked ids)."""
     from celery.worker import state

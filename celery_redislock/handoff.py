@@ -31,6 +31,7 @@ from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any, Protocol
 
+from celery.exceptions import SoftTimeLimitExceeded
 from kombu.serialization import dumps as kombu_dumps
 from kombu.serialization import loads as kombu_loads
 from kombu.serialization import registry  # type: ignore[attr-defined]
@@ -211,15 +212,28 @@ def publish_copy(app: Celery, message: bytes, tag: str) -> Signature:
 def publisher(app: Celery) -> Callable[[str, str, bytes], None]:
     """Return the store's ``on_handoff`` hook for ``app``: publish the woken message.
 
-    The hook holds the app weakly (the app's settings hold the store).
+    A publish that fails is logged: the parked call's re-sent copy runs
+    when its countdown ends. A soft time limit landing in it is not a
+    failed publish: it propagates (see ``protocol.hand_off``). The hook
+    holds the app weakly (the app's settings hold the store).
     """
     app_ref = weakref.ref(app)
 
     def publish(key: str, waiter: str, message: bytes) -> None:
-        current = app_ref()
-        if current is None:
-            raise RuntimeError("the Celery app of this lock store is gone")
-        signature = publish_copy(current, message, "w")
+        try:
+            current = app_ref()
+            if current is None:
+                raise RuntimeError("the Celery app of this lock store is gone")
+            signature = publish_copy(current, message, "w")
+        except SoftTimeLimitExceeded:
+            raise
+        except Exception:
+            logger.exception(
+                "could not publish the parked execution lock %s was handed to; its re-sent "
+                "copy runs when its countdown ends",
+                key,
+            )
+            return
         logger.debug(
             "lock %s handed to parked %s[%s]", key, signature.task, signature.options["task_id"]
         )

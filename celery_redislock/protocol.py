@@ -377,9 +377,13 @@ def hand_off(publish: Callable[[str, str, bytes], None] | None, key: str, reply:
     """A release handed ``key`` to a parked execution: publish its message.
 
     ``reply`` is the script's ``[1, hand-off value, message]``; ``publish``
-    the store's ``on_handoff`` (``None``: this process cannot publish).
-    Never raises: the parked execution's own re-sent copy runs at its
-    deadline if this publish fails (or never happens).
+    the store's ``on_handoff`` (``None``: this process cannot publish),
+    which logs a publish that fails (the parked execution's own re-sent
+    copy runs at its deadline, and a sweep hands it the lock). What it
+    raises is an interruption landing in it (a soft time limit, an
+    ``Exception`` too): it propagates, the holder sends its release again
+    and re-raises, and that release, a retry, publishes again (swallowed
+    here, the task reported SUCCESS).
     """
     if publish is None:
         logger.warning(
@@ -391,11 +395,4 @@ def hand_off(publish: Callable[[str, str, bytes], None] | None, key: str, reply:
     _, waiter, message = reply
     if isinstance(message, str):  # a client with decode_responses
         message = message.encode("utf-8")
-    try:
-        publish(key, decode_text(waiter, "utf-8"), message)
-    except Exception:
-        logger.exception(
-            "could not publish the parked execution lock %s was handed to; its re-sent "
-            "copy runs when its countdown ends",
-            key,
-        )
+    publish(key, decode_text(waiter, "utf-8"), message)

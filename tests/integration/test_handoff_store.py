@@ -251,3 +251,57 @@ def test_a_call_whose_handed_lock_expired_unused_goes_before_later_parked_calls(
     assert woken.result.acquired  # x was first in line: not handed on to y
     store.release(KEY, "x-woken")
     assert held(lock_client, KEY) == b"handoff-y"
+
+
+def test_a_soft_time_limit_inside_the_hand_off_publish_is_not_swallowed(
+    lock_client: redis.Redis,
+) -> None:
+    """It reaches the holder's release, which sends the release again: that one publishes.
+
+    A publish that fails (the broker) is logged and left to the safety net;
+    a soft time limit (an ``Exception`` too) landing in it was swallowed
+    with it, and the task reported SUCCESS (as helper-47 F1 found for the
+    kept release's hook).
+    """
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    from celery_redislock import RedisLock
+
+    store = LockStore(client=lock_client)
+    handed: list[str] = []
+
+    def publish(key: str, waiter: str, message: bytes) -> None:
+        handed.append(waiter)
+        if len(handed) == 1:
+            raise SoftTimeLimitExceeded()
+
+    store.on_handoff = publish
+    lock = RedisLock(lock_client, KEY, ttl=10, store=store)
+    assert lock.acquire()
+    assert park(store, "value-0", "handoff-0").parked
+    with pytest.raises(SoftTimeLimitExceeded):
+        lock.release()
+    assert handed == ["handoff-0", "handoff-0"]  # published by the release sent again
+    assert held(lock_client, KEY) == b"handoff-0"
+    assert not lock.owned
+
+
+def test_the_apps_publisher_logs_a_publish_the_broker_refuses(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A failed publish is the safety net's to make up for: logged, never raised."""
+    import socket
+
+    from celery import Celery
+
+    from celery_redislock.handoff import pack_signature, publisher
+
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]  # nothing listens on it once closed
+    app = Celery("refused", broker=f"redis://127.0.0.1:{port}/0", set_as_current=False)
+    app.conf.update(task_publish_retry=False, broker_connection_timeout=0.5)
+    message = pack_signature(app.signature("refused.job", options={"retries": 0}), "json")
+    with caplog.at_level("ERROR", logger="celery_redislock"):
+        publisher(app)(KEY, "handoff-0", message)  # does not raise
+    assert any("could not publish" in record.getMessage() for record in caplog.records)

@@ -53,6 +53,7 @@ from celery_redislock.protocol import (
     after_retry,
     after_set_nx_get,
     backend_error,
+    check_lock_value,
     decode_text,
     hand_off,
     native_release,
@@ -160,6 +161,7 @@ class AsyncLockStore:
         Raises:
             LockBackendError: Redis is unreachable or refused the script.
         """
+        check_lock_value(value, ttl_ms)
         sent_at = clock()
         async with self._errors("acquire", key):
             reply = await (
@@ -230,6 +232,7 @@ class AsyncLockStore:
         from a caller that releases for another holder). ``resent``: sent
         again after an exception cut off the same release's reply.
         """
+        check_lock_value(value)
         async with self._errors("release", key):
             # Passed only when set: an override of do_release(key, value) still works.
             flags = (

@@ -52,6 +52,7 @@ __all__ = [
     "after_retry",
     "after_set_nx_get",
     "backend_error",
+    "check_lock_value",
     "command_refused",
     "decode_text",
     "hand_off",
@@ -99,6 +100,25 @@ def set_nx_get(key: str, value: str, ttl_ms: int, encoding: str) -> bytes:
         return pack_command(("SET", key, value, "NX", "PX", ttl_ms, "GET"), encoding)
     key_bytes, value_bytes, ttl = key.encode(encoding), value.encode(encoding), b"%d" % ttl_ms
     return _SET_NX_GET % (len(key_bytes), key_bytes, len(value_bytes), value_bytes, len(ttl), ttl)
+
+
+def check_lock_value(value: Any, ttl_ms: Any = 0) -> None:
+    """Refuse a lock value that is not a ``str``, or a TTL that is not an ``int`` of ms.
+
+    Redis would store a ``bytes`` or ``int`` value and take ``"1000"`` as a
+    TTL; no lock of this package makes them (its values name their owner),
+    so they are refused before anything is sent (review helper-49 F2).
+
+    Raises:
+        TypeError: naming what cannot be sent.
+    """
+    if type(value) is str and type(ttl_ms) is int:
+        return
+    if type(value) is not str:
+        what, wanted = value, "a lock value: it must be a str"
+    else:
+        what, wanted = ttl_ms, "a lock TTL: it must be an int of milliseconds"
+    raise TypeError(f"cannot send {type(what).__name__} {what!r} as {wanted}")
 
 
 def unsupported(reply: Any) -> bool:

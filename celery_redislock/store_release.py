@@ -18,6 +18,7 @@ from celery_redislock.protocol import (
     after_native_release,
     after_retry,
     backend_error,
+    check_lock_value,
     hand_off,
     kept_waited,
     native_release,
@@ -59,6 +60,7 @@ class LockRelease(StoreConnections):
                 the first made, and reports a key found gone or retaken as
                 released).
         """
+        check_lock_value(value)
         return self._release(key, value, "exact", keep, keep_ms, fenced, resent)
 
     def release_owner(

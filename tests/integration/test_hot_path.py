@@ -12,7 +12,9 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import redis
+import redis.asyncio
 
 from celery_redislock import RedisLock
 from celery_redislock.store import LockStore, ReleaseOutcome
@@ -82,3 +84,73 @@ def test_a_plain_release_after_a_script_flush_and_behind_a_waiter(
     assert time.monotonic() - released_at < 5
     assert waiter.release() is ReleaseOutcome.RELEASED
     store.close()
+
+
+def test_a_do_acquire_set_after_its_class_was_made_still_sees_every_acquire(
+    server: RedisServer, lock_client: redis.Redis
+) -> None:
+    """Set on the class later (a patch, instrumentation) or on one store (helper-49 F1)."""
+
+    class Store(LockStore):
+        pass
+
+    seen: list[str] = []
+    original = LockStore.do_acquire
+
+    def counting(self: LockStore, key: str, *args: object, **kwargs: object) -> object:
+        seen.append(key)
+        return original(self, key, *args, **kwargs)  # type: ignore[arg-type]
+
+    Store.do_acquire = counting  # type: ignore[method-assign]
+    store = Store(server.url_for(LOCK_DB))
+    assert store.acquire(KEY, MINE, 30_000).acquired
+    assert seen == [KEY]
+    assert store.release(KEY, MINE) is ReleaseOutcome.RELEASED
+
+    plain = LockStore(server.url_for(LOCK_DB))
+    plain.do_acquire = lambda key, *args, **kwargs: (  # type: ignore[method-assign]
+        seen.append(key) or original(plain, key, *args, **kwargs)  # type: ignore[arg-type]
+    )
+    assert plain.acquire(KEY, MINE, 30_000).acquired
+    assert seen == [KEY, KEY]
+    assert plain.release(KEY, MINE) is ReleaseOutcome.RELEASED
+    store.close()
+    plain.close()
+
+
+@pytest.mark.parametrize(
+    ("value", "ttl_ms"), [(b"v1|bytes", 1000), (5, 1000), ("v1|a", "1000"), ("v1|a", True)]
+)
+def test_a_value_or_ttl_redis_would_take_but_the_lock_cannot_is_refused_before_sending(
+    server: RedisServer, lock_client: redis.Redis, value: object, ttl_ms: object
+) -> None:
+    """Review helper-49 F2: a bytes or int value and a str TTL were sent and stored."""
+    store = LockStore(server.url_for(LOCK_DB))
+    with pytest.raises(TypeError, match=r"as a lock (value|TTL): it must be"):
+        store.acquire(KEY, value, ttl_ms)  # type: ignore[arg-type]
+    assert not lock_client.exists(KEY)
+    lock_client.set(KEY, b"v1|bytes")
+    with pytest.raises(TypeError, match="as a lock value: it must be a str"):
+        store.release(KEY, b"v1|bytes")  # type: ignore[arg-type]
+    assert lock_client.exists(KEY)
+    store.close()
+
+
+def test_the_asyncio_store_refuses_them_too(server: RedisServer, lock_client: redis.Redis) -> None:
+    import asyncio
+
+    from celery_redislock.aiostore import AsyncLockStore
+
+    async def main() -> None:
+        client = redis.asyncio.Redis.from_url(server.url_for(LOCK_DB))
+        store = AsyncLockStore.for_client(client)
+        with pytest.raises(TypeError, match="as a lock value: it must be a str"):
+            await store.acquire(KEY, b"v1|bytes", 1000)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="as a lock TTL: it must be an int"):
+            await store.acquire(KEY, MINE, "1000")  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="as a lock value: it must be a str"):
+            await store.release(KEY, 5)  # type: ignore[arg-type]
+        await client.aclose()
+
+    asyncio.run(main())
+    assert not lock_client.exists(KEY)

@@ -885,6 +885,22 @@ def test_a_second_delivery_inside_the_idempotency_window_never_runs_again(
     assert record.lrange("runs", 0, -1) == ["pay-1"]
 
 
+def _held_by_another(
+    app: Celery, record: redis.Redis, lock_client: redis.Redis
+) -> tuple[Any, str, str, str]:
+    """A hand-off task whose key another holder keeps: the task, key, waiters list, holder."""
+
+    @app.task(base=SingletonTask, shared=False, lock_args=(), lock_on_contention="handoff")
+    def job(label: str) -> str:
+        record.rpush("runs", label)
+        return label
+
+    key = job.lock_key_for(("x",), {})
+    holder = "v1|holder|0|elsewhere|1|ab|job|0"
+    lock_client.set(key, holder, px=60_000)
+    return job, key, handoff_keys(key)[0], holder
+
+
 def test_a_revoked_parked_call_leaves_the_queue_when_a_copy_of_it_arrives(
     app: Celery, record: redis.Redis, lock_client: redis.Redis
 ) -> None:
@@ -895,15 +911,7 @@ def test_a_revoked_parked_call_leaves_the_queue_when_a_copy_of_it_arrives(
     """
     from celery_redislock.headers import HANDOFF_HEADER
 
-    @app.task(base=SingletonTask, shared=False, lock_args=(), lock_on_contention="handoff")
-    def job(label: str) -> str:
-        record.rpush("runs", label)
-        return label
-
-    key = job.lock_key_for(("x",), {})
-    waiters = handoff_keys(key)[0]
-    holder = "v1|holder|0|elsewhere|1|ab|job|0"
-    lock_client.set(key, holder, px=60_000)
+    job, key, waiters, holder = _held_by_another(app, record, lock_client)
     with embedded_worker(app, "threads", 2):
         parked = job.delay("revoked")
         wait_until(lambda: lock_client.llen(waiters) == 1, timeout=20)
@@ -933,16 +941,8 @@ def test_a_parked_call_revoked_where_no_worker_held_it_never_runs(
     """
     from celery_redislock.handoff import app_pending
 
-    @app.task(base=SingletonTask, shared=False, lock_args=(), lock_on_contention="handoff")
-    def job(label: str) -> str:
-        record.rpush("runs", label)
-        return label
-
+    job, key, waiters, holder = _held_by_another(app, record, lock_client)
     settings = job._lock_settings()
-    key = job.lock_key_for(("x",), {})
-    waiters = handoff_keys(key)[0]
-    holder = "v1|holder|0|elsewhere|1|ab|job|0"
-    lock_client.set(key, holder, px=60_000)
     with embedded_worker(app, "threads", 2):
         parked = job.delay("revoked")
         wait_until(lambda: lock_client.llen(waiters) == 1, timeout=20)

@@ -59,6 +59,11 @@ def main() -> int:
         "restarted (the whole worker restarted with the same -n; this package only)",
     )
     parser.add_argument("--only", default="1,2,3,4,5,6,7", help="scenario numbers, e.g. 1,2")
+    parser.add_argument(
+        "--contenders",
+        default="",
+        help="scenario 1's contenders, e.g. plain,floor (the floor alone); default: all",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, to check the bench runs")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
@@ -74,6 +79,12 @@ def main() -> int:
         )
         if available[module]
     ]
+    overhead_contenders = contenders
+    if args.contenders:
+        overhead_contenders = ["plain", *(c for c in args.contenders.split(",") if c != "plain")]
+        unknown = sorted(set(overhead_contenders) - set(contenders))
+        if unknown:
+            parser.error(f"unknown or unavailable contenders {unknown}; known: {contenders}")
     report = Report()
     started = time.time()
     print(f"peers installed: {available}", flush=True)
@@ -81,7 +92,7 @@ def main() -> int:
         (
             1,
             "per-task overhead",
-            lambda: per_task_overhead(report, args.rounds, args.tasks, contenders),
+            lambda: per_task_overhead(report, args.rounds, args.tasks, overhead_contenders),
         ),
         (
             2,

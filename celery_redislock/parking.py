@@ -146,10 +146,12 @@ class ParkingAttempt(LockAttempt):
             resend(self.task, due, LockContended(self.key, None, due), {}, move_expiry=True)
 
     def _withdraw(self) -> None:
-        """Take this call out of the hand-off queue for good (best effort: never raises).
+        """Take this call out of the hand-off queue for good (a store failure is logged).
 
         A coalesced run also gives its queued key back: later calls publish
-        the next run instead of joining this one, which ends here.
+        the next run instead of joining this one, which ends here. An
+        interruption (a soft time limit landing in the hand-over's publish)
+        propagates (review helper-50 F2: it was logged as a failed withdraw).
         """
         try:
             self.settings.backend.withdraw(
@@ -157,7 +159,7 @@ class ParkingAttempt(LockAttempt):
             )
             if self.queued_slot is not None:
                 self.settings.backend.release(*self.queued_slot)
-        except Exception:
+        except LockBackendError:
             logger.warning(
                 "%s[%s]: could not withdraw the parked call from lock %s; a copy of it may "
                 "still run",
@@ -176,13 +178,14 @@ class ParkingAttempt(LockAttempt):
         of revoked ids lives in memory, gone from a worker restarted since
         (review helper-48: such a copy ran). Withdrawn, the lock handed to
         it passes on. One ``GET``, for the copies of parked calls only.
+
+        Raises:
+            LockBackendError: the mark cannot be read: a store failure like
+                any other (``lock_on_backend_error``), not "not revoked"
+                (review helper-50 F1: the copy was granted the lock and ran).
         """
         task, request = self.task, self.request
-        try:
-            revoked = self.pending.was_revoked(request.id or "")
-        except LockBackendError:
-            return  # not known: as before a revoke
-        if not revoked:
+        if not self.pending.was_revoked(request.id or ""):
             return
         self._withdraw()
         logger.info(

@@ -11,8 +11,9 @@ from typing import Any, ClassVar
 import pytest
 import redis
 from celery import Celery, group
+from celery.exceptions import SoftTimeLimitExceeded
 
-from celery_redislock import HandOff, LockContended, SingletonTask
+from celery_redislock import HandOff, LockBackendError, LockContended, SingletonTask
 from celery_redislock.keys import debounce_key, handoff_keys, queued_key, slot_keys
 from celery_redislock.pending import PendingIndex
 from celery_redislock.store import LockStore
@@ -953,6 +954,78 @@ def test_a_parked_call_revoked_where_no_worker_held_it_never_runs(
         wait_until(lambda: not lock_client.exists(key), timeout=20)  # passed on: freed
         assert lock_client.llen(waiters) == 0
         assert job.delay("later").get(timeout=20) == "later"
+    assert record.lrange("runs", 0, -1) == ["later"]
+
+
+class MarkUnreadableOnce(LockStore):
+    """A store whose first read of a revoke's mark fails as an unanswered store does."""
+
+    failed: ClassVar[list[str]] = []
+
+    def read_record(self, key: str) -> str | None:
+        if key.endswith(":revoked") and not MarkUnreadableOnce.failed:
+            MarkUnreadableOnce.failed.append(key)
+            raise LockBackendError(f"Redis did not answer reading {key!r} (test)")
+        return super().read_record(key)
+
+
+def test_a_parked_call_whose_revoke_mark_cannot_be_read_is_not_run_for_it(
+    app_factory: Any, record: redis.Redis, lock_client: redis.Redis
+) -> None:
+    """The store fails at the mark's read and answers again after (review helper-50 F1).
+
+    An unreadable mark is a store failure like any other (here: the copy is
+    re-sent with backoff and reads it then), not "not revoked": the copy
+    that read none was granted the lock and ran.
+    """
+    from celery_redislock.handoff import app_pending
+
+    MarkUnreadableOnce.failed.clear()
+    app = app_factory(redislock_store_class=f"{__name__}:MarkUnreadableOnce")
+    job, key, waiters, holder = _held_by_another(app, record, lock_client)
+    settings = job._lock_settings()
+    with embedded_worker(app, "threads", 2):
+        parked = job.delay("revoked")
+        wait_until(lambda: lock_client.llen(waiters) == 1, timeout=20)
+        app_pending(app, settings.backend, settings.app.key_prefix).mark_revoked(parked.id, 60_000)
+        settings.backend.release(key, holder)  # hands the key to the parked call, wakes it
+        wait_until(lambda: parked.state == "REVOKED", timeout=30)
+        assert MarkUnreadableOnce.failed  # the first copy could not read it
+        assert job.delay("later").get(timeout=30) == "later"
+    assert record.lrange("runs", 0, -1) == ["later"]
+
+
+class WithdrawInterrupted(LockStore):
+    """A store in whose withdraw (its hand-over's publish) a soft time limit lands once."""
+
+    interrupted: ClassVar[list[str]] = []
+
+    def withdraw(self, key: str, handoff: str, park_ttl_ms: int, limit: int = 1) -> None:
+        super().withdraw(key, handoff, park_ttl_ms, limit)
+        if not WithdrawInterrupted.interrupted:
+            WithdrawInterrupted.interrupted.append(key)
+            raise SoftTimeLimitExceeded()
+
+
+def test_a_soft_time_limit_in_a_revoked_copys_withdraw_is_not_swallowed(
+    app_factory: Any, record: redis.Redis, lock_client: redis.Redis
+) -> None:
+    """Review helper-50 F2: caught with the store's errors, it was logged as a failed withdraw."""
+    from celery_redislock.handoff import app_pending
+
+    WithdrawInterrupted.interrupted.clear()
+    app = app_factory(redislock_store_class=f"{__name__}:WithdrawInterrupted")
+    job, key, waiters, holder = _held_by_another(app, record, lock_client)
+    settings = job._lock_settings()
+    with embedded_worker(app, "threads", 2):
+        parked = job.delay("revoked")
+        wait_until(lambda: lock_client.llen(waiters) == 1, timeout=20)
+        app_pending(app, settings.backend, settings.app.key_prefix).mark_revoked(parked.id, 60_000)
+        settings.backend.release(key, holder)  # hands the key to the parked call, wakes it
+        wait_until(lambda: parked.state == "FAILURE", timeout=30)
+        assert isinstance(parked.result, SoftTimeLimitExceeded)
+        assert lock_client.llen(waiters) == 0  # withdrawn before the interruption
+        assert job.delay("later").get(timeout=30) == "later"
     assert record.lrange("runs", 0, -1) == ["later"]
 
 

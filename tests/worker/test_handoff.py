@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import pytest
@@ -929,6 +931,28 @@ def test_a_revoked_parked_call_leaves_the_queue_when_a_copy_of_it_arrives(
     assert record.lrange("runs", 0, -1) == ["later"]
 
 
+@contextlib.contextmanager
+def _revoked_while_parked(
+    app: Celery, record: redis.Redis, lock_client: redis.Redis
+) -> Iterator[tuple[Any, Any]]:
+    """A call parked behind another holder is marked revoked, then handed the key.
+
+    The mark is what a worker that held none of the call's messages writes
+    for a revoke. Yields the task and the parked call's result, the worker
+    running.
+    """
+    from celery_redislock.handoff import app_pending
+
+    job, key, waiters, holder = _held_by_another(app, record, lock_client)
+    settings = job._lock_settings()
+    with embedded_worker(app, "threads", 2):
+        parked = job.delay("revoked")
+        wait_until(lambda: lock_client.llen(waiters) == 1, timeout=20)
+        app_pending(app, settings.backend, settings.app.key_prefix).mark_revoked(parked.id, 60_000)
+        settings.backend.release(key, holder)  # hands the key to the parked call, wakes it
+        yield job, parked
+
+
 def test_a_parked_call_revoked_where_no_worker_held_it_never_runs(
     app: Celery, record: redis.Redis, lock_client: redis.Redis
 ) -> None:
@@ -940,19 +964,11 @@ def test_a_parked_call_revoked_where_no_worker_held_it_never_runs(
     receives the woken copy without knowing. It must not run: the copy is
     dropped as REVOKED and the key passes on.
     """
-    from celery_redislock.handoff import app_pending
-
-    job, key, waiters, holder = _held_by_another(app, record, lock_client)
-    settings = job._lock_settings()
-    with embedded_worker(app, "threads", 2):
-        parked = job.delay("revoked")
-        wait_until(lambda: lock_client.llen(waiters) == 1, timeout=20)
-        # What a worker that held none of its messages did with the revoke.
-        app_pending(app, settings.backend, settings.app.key_prefix).mark_revoked(parked.id, 60_000)
-        settings.backend.release(key, holder)  # hands the key to the parked call, wakes it
+    with _revoked_while_parked(app, record, lock_client) as (job, parked):
         wait_until(lambda: parked.state == "REVOKED", timeout=20)
+        key = job.lock_key_for(("x",), {})
         wait_until(lambda: not lock_client.exists(key), timeout=20)  # passed on: freed
-        assert lock_client.llen(waiters) == 0
+        assert lock_client.llen(handoff_keys(key)[0]) == 0
         assert job.delay("later").get(timeout=20) == "later"
     assert record.lrange("runs", 0, -1) == ["later"]
 
@@ -978,17 +994,9 @@ def test_a_parked_call_whose_revoke_mark_cannot_be_read_is_not_run_for_it(
     re-sent with backoff and reads it then), not "not revoked": the copy
     that read none was granted the lock and ran.
     """
-    from celery_redislock.handoff import app_pending
-
     MarkUnreadableOnce.failed.clear()
     app = app_factory(redislock_store_class=f"{__name__}:MarkUnreadableOnce")
-    job, key, waiters, holder = _held_by_another(app, record, lock_client)
-    settings = job._lock_settings()
-    with embedded_worker(app, "threads", 2):
-        parked = job.delay("revoked")
-        wait_until(lambda: lock_client.llen(waiters) == 1, timeout=20)
-        app_pending(app, settings.backend, settings.app.key_prefix).mark_revoked(parked.id, 60_000)
-        settings.backend.release(key, holder)  # hands the key to the parked call, wakes it
+    with _revoked_while_parked(app, record, lock_client) as (job, parked):
         wait_until(lambda: parked.state == "REVOKED", timeout=30)
         assert MarkUnreadableOnce.failed  # the first copy could not read it
         assert job.delay("later").get(timeout=30) == "later"
@@ -1011,19 +1019,12 @@ def test_a_soft_time_limit_in_a_revoked_copys_withdraw_is_not_swallowed(
     app_factory: Any, record: redis.Redis, lock_client: redis.Redis
 ) -> None:
     """Review helper-50 F2: caught with the store's errors, it was logged as a failed withdraw."""
-    from celery_redislock.handoff import app_pending
-
     WithdrawInterrupted.interrupted.clear()
     app = app_factory(redislock_store_class=f"{__name__}:WithdrawInterrupted")
-    job, key, waiters, holder = _held_by_another(app, record, lock_client)
-    settings = job._lock_settings()
-    with embedded_worker(app, "threads", 2):
-        parked = job.delay("revoked")
-        wait_until(lambda: lock_client.llen(waiters) == 1, timeout=20)
-        app_pending(app, settings.backend, settings.app.key_prefix).mark_revoked(parked.id, 60_000)
-        settings.backend.release(key, holder)  # hands the key to the parked call, wakes it
+    with _revoked_while_parked(app, record, lock_client) as (job, parked):
         wait_until(lambda: parked.state == "FAILURE", timeout=30)
         assert isinstance(parked.result, SoftTimeLimitExceeded)
+        waiters = handoff_keys(job.lock_key_for(("x",), {}))[0]
         assert lock_client.llen(waiters) == 0  # withdrawn before the interruption
         assert job.delay("later").get(timeout=30) == "later"
     assert record.lrange("runs", 0, -1) == ["later"]

@@ -948,6 +948,9 @@ def _revoked_while_parked(
     with embedded_worker(app, "threads", 2):
         parked = job.delay("revoked")
         wait_until(lambda: lock_client.llen(waiters) == 1, timeout=20)
+        # Its park has stored RETRY: stored after the copy's REVOKED, it
+        # would overwrite it (Celery keeps only SUCCESS; CI saw it once).
+        wait_until(lambda: parked.state == "RETRY", timeout=20)
         app_pending(app, settings.backend, settings.app.key_prefix).mark_revoked(parked.id, 60_000)
         settings.backend.release(key, holder)  # hands the key to the parked call, wakes it
         yield job, parked

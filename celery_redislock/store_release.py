@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 
 from celery_redislock import scripts, slot_scripts
 from celery_redislock.exceptions import LockBackendError
@@ -25,7 +25,7 @@ from celery_redislock.protocol import (
     release_call,
 )
 from celery_redislock.store_connections import StoreConnections, _attempt, _Kind
-from celery_redislock.transport import Endpoint, MasterDemoted, Topology, send_and_read
+from celery_redislock.transport import Endpoint, Topology, send_and_read
 
 __all__ = ["LockRelease"]
 
@@ -238,18 +238,13 @@ class _ReleaseExchange:
         return self
 
     def __call__(self, connection: Any) -> Any:
-        attempts = self.attempts
-        retry = attempts.start()
-        try:
-            if retry or not self.lean:
-                reply = self._full(connection, retry)
-            else:
-                reply = self._lean_first(connection)
-        except (ResponseError, MasterDemoted):
-            attempts.refused()  # a redirection, a refusal, a demoted master: nothing ran
-            raise
-        attempts.answered()
-        return reply
+        return _attempt(self.attempts, connection, self._step)
+
+    def _step(self, retry: bool) -> Callable[[Any], Any]:
+        """The exchange of one attempt (``retry``: after one whose reply was lost)."""
+        if retry or not self.lean:
+            return lambda connection: self._full(connection, retry)
+        return self._lean_first
 
     def _full(self, connection: Any, retry: bool) -> Any:
         key, match, mode, keep, keep_ms = self.call

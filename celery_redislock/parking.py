@@ -10,8 +10,10 @@ withdraw a call for good or drop a second copy of it. May import
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any, NoReturn
 
 from celery.exceptions import Ignore
@@ -148,24 +150,40 @@ class ParkingAttempt(LockAttempt):
     def _withdraw(self) -> None:
         """Take this call out of the hand-off queue for good (a store failure is logged).
 
-        A coalesced run also gives its queued key back: later calls publish
-        the next run instead of joining this one, which ends here. An
-        interruption (a soft time limit landing in the hand-over's publish)
-        propagates (review helper-50 F2: it was logged as a failed withdraw).
+        A coalesced run also gives its queued key back, whatever became of
+        the withdraw (review helper-52 F3: kept, later calls joined this run,
+        which ends here, until the key expired): they publish the next run.
+        An interruption (a soft time limit landing in the hand-over's
+        publish) propagates (review helper-50 F2: it was logged as a failed
+        withdraw); a store failure giving the key back does not replace it.
         """
         try:
-            self.settings.backend.withdraw(
-                self.key, self.parked_value, self.park_ttl_ms, self.settings.limit
-            )
+            with self._logged_store_failure(
+                "withdraw the parked call", "a copy of it may still run"
+            ):
+                self.settings.backend.withdraw(
+                    self.key, self.parked_value, self.park_ttl_ms, self.settings.limit
+                )
+        finally:
             if self.queued_slot is not None:
-                self.settings.backend.release(*self.queued_slot)
+                with self._logged_store_failure(
+                    "give back the queued run", "later calls join it until its key expires"
+                ):
+                    self.settings.backend.release(*self.queued_slot)
+
+    @contextlib.contextmanager
+    def _logged_store_failure(self, action: str, consequence: str) -> Iterator[None]:
+        """Log a store failure of a clean-up step instead of raising it."""
+        try:
+            yield
         except LockBackendError:
             logger.warning(
-                "%s[%s]: could not withdraw the parked call from lock %s; a copy of it may "
-                "still run",
+                "%s[%s]: could not %s of lock %s; %s",
                 self.task.name,
                 self.request.id,
+                action,
                 self.key,
+                consequence,
                 exc_info=True,
             )
 

@@ -1033,6 +1033,43 @@ def test_a_soft_time_limit_in_a_revoked_copys_withdraw_is_not_swallowed(
     assert record.lrange("runs", 0, -1) == ["later"]
 
 
+def test_a_coalesced_run_interrupted_in_its_withdraw_gives_its_queued_key_back(
+    app_factory: Any, record: redis.Redis, lock_client: redis.Redis
+) -> None:
+    """Review helper-52 F3: the queued key was given back only if the withdraw returned.
+
+    Kept, the next ``delay()`` joined the run that had just ended (it never
+    ran) until the enqueue key expired.
+    """
+    WithdrawInterrupted.interrupted.clear()
+    app = app_factory(redislock_store_class=f"{__name__}:WithdrawInterrupted")
+    from celery_redislock.handoff import app_pending
+
+    @app.task(base=SingletonTask, shared=False, lock_args=(), lock_enqueue="until_start")
+    def job(label: str) -> str:
+        record.rpush("runs", label)
+        return label
+
+    key = job.lock_key_for(("x",), {})
+    holder = "v1|holder|0|elsewhere|1|ab|job|0"
+    lock_client.set(key, holder, px=60_000)
+    settings = job._lock_settings()
+    with embedded_worker(app, "threads", 2):
+        parked = job.delay("revoked")
+        wait_until(lambda: lock_client.llen(handoff_keys(key)[0]) == 1, timeout=20)
+        wait_until(lambda: parked.state == "RETRY", timeout=20)
+        assert lock_client.exists(queued_key(key))
+        app_pending(app, settings.backend, settings.app.key_prefix).mark_revoked(parked.id, 60_000)
+        settings.backend.release(key, holder)
+        wait_until(lambda: parked.state == "FAILURE", timeout=30)
+        assert isinstance(parked.result, SoftTimeLimitExceeded)
+        assert not lock_client.exists(queued_key(key))
+        later = job.delay("later")
+        assert later.id != parked.id  # published, not joined to the run that ended
+        assert later.get(timeout=30) == "later"
+    assert record.lrange("runs", 0, -1) == ["later"]
+
+
 def _revoked_in_worker(app: Celery, task_id: str) -> bool:
     """The worker has recorded the revoke (Celery's in-memory list of revoked ids)."""
     from celery.worker import state

@@ -112,17 +112,25 @@ def _combination_errors(values: Mapping[str, Any]) -> list[str]:
     """Messages for app settings that are each usable but not together."""
     errors = []
     ttl, renew_timeout = values.get("redislock_ttl"), values.get("redislock_renew_timeout")
-    if ttl is not None and renew_timeout is not None and renew_timeout >= ttl:
-        errors.append(
-            f"redislock_renew_timeout={renew_timeout:g} is not shorter than "
-            f"redislock_ttl={ttl:g}: one renewal round waiting that long lets every lock "
-            "expire; keep it well under the TTL (default 0.5 s)"
-        )
+    if ttl is not None and renew_timeout is not None:
+        errors += filter(None, [renewal_error(("redislock_ttl", ttl), renew_timeout)])
     too_short = debounce_wait_error(
         ("redislock_debounce", values.get("redislock_debounce") or 0.0),
         ("redislock_debounce_max_wait", values.get("redislock_debounce_max_wait")),
     )
     return [*errors, too_short] if too_short else errors
+
+
+def renewal_error(ttl: tuple[str, float], renew_timeout: float) -> str | None:
+    """The message for a lock TTL (named ``ttl[0]``) not longer than the renewals' timeout."""
+    name, seconds = ttl
+    if renew_timeout < seconds:
+        return None
+    return (
+        f"redislock_renew_timeout={renew_timeout:g} is not shorter than {name}={seconds:g}: "
+        "one renewal round waiting that long lets the locks expire; keep it well under "
+        "the TTL (default 0.5 s)"
+    )
 
 
 def raise_for(errors: list[str]) -> None:

@@ -24,12 +24,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from celery_redislock.clients import bounded_options
+from celery_redislock.exceptions import ConfigurationError
 from celery_redislock.handoff import parked_looker
 from celery_redislock.handoff import publisher as handoff_publisher
 from celery_redislock.policies import ContentionPolicy, resolve_policy, uses_handoff
 from celery_redislock.setting_checks import (
     check_merged_task_options,
     raise_for,
+    renewal_error,
     resolve_settings,
     validate_app_settings,
     validate_task_options,
@@ -271,6 +273,10 @@ class TaskSettings:
         check_limit_combination(limit, enqueue == "until_done", hold, where)
         check_debounce_combination(debounce, enqueue != "off", where)
         check_merged_task_options(task, debounce, max_wait, enqueue != "off", where)
+        # The renewer's connections wait this long for a reply: checked for the
+        # app's TTL only, a task's lock_ttl of 0.3 s passed under the default 0.5 s.
+        if too_long := renewal_error(("lock_ttl", ttl), app.renew_timeout):
+            raise ConfigurationError(f"{where}: {too_long}")
         return cls(
             app=app,
             backend=app.backend,

@@ -80,6 +80,9 @@ def test_an_unusable_task_option_is_refused_when_the_task_is_made(
         ({}, {"lock_enqueue_raise": True}, "lock_enqueue_raise"),
         ({"redislock_debounce": 5}, {"lock_debounce_max_wait": 1}, "lock_debounce_max_wait"),
         ({"redislock_debounce_max_wait": 1}, {"lock_debounce": 5}, "debounce_max_wait"),
+        # One renewal round may wait this long: this task's locks would expire meanwhile.
+        ({}, {"lock_ttl": 0.3}, "lock_ttl=0.3"),
+        ({"redislock_renew_timeout": 2}, {"lock_ttl": 2}, "lock_ttl=2"),
     ],
 )
 def test_an_option_that_clashes_with_an_app_setting_is_refused_at_the_first_use(

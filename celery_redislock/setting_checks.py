@@ -110,15 +110,17 @@ def resolve_settings(conf: Any) -> tuple[dict[str, Any], list[str]]:
 
 def _combination_errors(values: Mapping[str, Any]) -> list[str]:
     """Messages for app settings that are each usable but not together."""
-    errors = []
     ttl, renew_timeout = values.get("redislock_ttl"), values.get("redislock_renew_timeout")
-    if ttl is not None and renew_timeout is not None:
-        errors += filter(None, [renewal_error(("redislock_ttl", ttl), renew_timeout)])
-    too_short = debounce_wait_error(
-        ("redislock_debounce", values.get("redislock_debounce") or 0.0),
-        ("redislock_debounce_max_wait", values.get("redislock_debounce_max_wait")),
-    )
-    return [*errors, too_short] if too_short else errors
+    errors = [
+        renewal_error(("redislock_ttl", ttl), renew_timeout)
+        if ttl is not None and renew_timeout is not None
+        else None,
+        debounce_wait_error(
+            ("redislock_debounce", values.get("redislock_debounce") or 0.0),
+            ("redislock_debounce_max_wait", values.get("redislock_debounce_max_wait")),
+        ),
+    ]
+    return [error for error in errors if error]
 
 
 def renewal_error(ttl: tuple[str, float], renew_timeout: float) -> str | None:

@@ -129,8 +129,8 @@ SETTINGS: tuple[SettingSpec, ...] = (
         None,
         0.5,
         "Socket timeout of the renewer's own connection (it never retries inside redis-py); "
-        "shorter than `redislock_ttl` and every task's `lock_ttl` (a task's is refused at "
-        "its first use).",
+        "shorter than `redislock_ttl` (refused otherwise) and every task's `lock_ttl` "
+        "(logged at WARNING otherwise, at the task's first use).",
         validate_ttl,
     ),
     SettingSpec(

@@ -69,7 +69,7 @@ def test_stolen_lock_is_visible_to_the_task_and_release_leaves_the_thief_alone(
 def test_signals_carry_key_task_and_timing(
     app: Celery, record: redis.Redis, signals_seen: Any
 ) -> None:
-    @app.task(base=SingletonTask, bind=True, shared=False, lock_ttl=0.6)
+    @app.task(base=SingletonTask, bind=True, shared=False, lock_ttl=0.3)
     def job(self: Any) -> None:
         wait_until(lambda: self.lock.renewals >= 2, timeout=10, message="two renewals")
 

@@ -70,6 +70,10 @@ class AsyncLockHandle(Lease):
             self._renewer = async_renewer()
             self._renewer.register(self)
 
+    def _renewal_moved(self) -> None:
+        if self._renewer is not None:
+            self._renewer.register(self)
+
     def _stop_renewal(self) -> None:
         if self._renewer is not None:
             self._renewer.unregister(self)

@@ -135,6 +135,10 @@ class LockHandle(Lease):
             fence = self._fence_issued(self.backend.fence(self.key, self.value))
         return fence
 
+    def _renewal_moved(self) -> None:
+        if self._renewing:
+            renewer().register(self, scoped=self._dropped is not None)
+
     def _stop_renewal(self) -> None:
         # Lost: the value is gone.
         renewer().unregister(self)

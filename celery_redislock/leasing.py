@@ -185,12 +185,34 @@ class Lease:
             return True
 
     def _extending(self, ttl: float | None) -> float:
-        """Before an extend is sent: check, take the new TTL; return the send time."""
+        """Before an extend is sent: check, take the new TTL; return the send time.
+
+        A new TTL counts from the send: the extend may run although its reply
+        never comes (a timeout, a cancellation), so the lease keeps the
+        earlier of the two deadlines until a reply confirms it (review
+        helper-54 F1: ``owned`` stayed True for the old TTL after the key
+        expired), and the renewer is told when the next renewal moves ahead.
+
+        Raises:
+            LockNotOwned: released, or acquired by another process (a forked
+                child must not shorten its parent's lock: helper-54 F2).
+        """
         if self.released:
             raise LockNotOwned(self.key, "it was released")
+        if self._pid != current_pid():
+            raise LockNotOwned(self.key, f"it was acquired by pid {self._pid}, not by this process")
+        sent_at = clock()
         if ttl is not None:
             self._set_ttl(validate_ttl(ttl, "ttl"))
-        return clock()
+            self.valid_until = min(self.valid_until, self._validity_from(sent_at))
+            if sent_at + self.renew_period < self.renew_at:
+                self.renew_at = sent_at + self.renew_period
+                self._renewal_moved()
+        return sent_at
+
+    def _renewal_moved(self) -> None:
+        """``renew_at`` moved ahead: the renewer, asleep until the old one, must look again."""
+        raise NotImplementedError
 
     def _extended(self, outcome: RenewOutcome, sent_at: float) -> None:
         """The extend sent at ``sent_at`` found ``outcome``: a new lease, or the lock lost."""

@@ -22,7 +22,7 @@ from celery_redislock.leasing import Lease
 from celery_redislock.outcomes import AcquireResult
 from celery_redislock.owners import Hold, Holds
 from celery_redislock.tokens import LockOwner, LockValue
-from celery_redislock.validators import validate_ttl, validate_wait_timeout
+from celery_redislock.validators import validate_flag, validate_ttl, validate_wait_timeout
 
 __all__ = ["StandaloneLock", "blocking_waits"]
 
@@ -120,10 +120,10 @@ class StandaloneLock(Generic[H, S, C]):
             raise ConfigurationError(f"{self._kind} name must be a non-empty str, got {name!r}")
         self.name = name
         self.ttl = validate_ttl(ttl, f"{self._kind} ttl")
-        self.renew = renew
-        self.blocking = blocking
+        self.renew = validate_flag(renew, f"{self._kind} renew")
+        self.blocking = validate_flag(blocking, f"{self._kind} blocking")
         self.timeout = validate_wait_timeout(timeout, f"{self._kind} timeout")
-        self.reentrant = reentrant
+        self.reentrant = validate_flag(reentrant, f"{self._kind} reentrant")
         self.client = client
         self.backend: S = self._shared_store(client) if store is None else store
         self.handle: H | None = None
@@ -210,7 +210,7 @@ class StandaloneLock(Generic[H, S, C]):
             raise RuntimeError(f"{self._kind} {self.name!r} is already held by this object")
         value = LockValue.new_encoded(LockOwner.current(None, 0, None), self.name)
         return (
-            self.blocking if blocking is None else blocking,
+            self.blocking if blocking is None else validate_flag(blocking, "blocking"),
             self.timeout if timeout is None else validate_wait_timeout(timeout, "timeout"),
             value,
             max(int(self.ttl * 1000), 1),

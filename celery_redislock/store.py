@@ -16,14 +16,14 @@ import os
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
-from typing import Any, cast
+from typing import Any
 
 import redis
 from redis.cluster import RedisCluster
 from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
 from celery_redislock import scripts
-from celery_redislock.exceptions import LockBackendError, LockStoreRefused
+from celery_redislock.exceptions import ConfigurationError, LockBackendError, LockStoreRefused
 from celery_redislock.key_family import NOT_LOCK_SUFFIXES, family_of
 from celery_redislock.outcomes import AcquireResult, ParkResult, ReleaseOutcome, RenewOutcome
 from celery_redislock.protocol import (
@@ -154,9 +154,16 @@ class LockStore(LockParking):
         Sharing it is what lets the renewer serve all of them in one round
         trip per tick. It lives as long as the pool does, and no longer.
         """
-        pool = client if _is_cluster(client) else cast(redis.Redis, client).connection_pool
-        backend = _SHARED.get(pool)
+        pool = client if _is_cluster(client) else getattr(client, "connection_pool", None)
+        backend = None if pool is None else _SHARED.get(pool)
         if backend is None:
+            if pool is None or not (pool is client or isinstance(client, redis.Redis)):
+                # An asyncio client "acquired" nothing, silently (review helper-54 F3).
+                raise ConfigurationError(
+                    "RedisLock needs a redis.Redis or RedisCluster client (AsyncRedisLock "
+                    f"takes redis.asyncio's), got {type(client).__module__}."
+                    f"{type(client).__name__}"
+                )
             with _SHARED_GUARD:
                 backend = _SHARED.get(pool)
                 if backend is None:

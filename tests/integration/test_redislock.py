@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import redis
+import redis.asyncio
 
 from celery_redislock import (
     ConfigurationError,
@@ -112,6 +113,33 @@ def test_bad_ttl_is_rejected(lock_client: redis.Redis, ttl: object) -> None:
 def test_bad_name_is_rejected(lock_client: redis.Redis) -> None:
     with pytest.raises(ConfigurationError, match="name"):
         RedisLock(lock_client, "")
+
+
+@pytest.mark.parametrize(
+    "client",
+    [
+        pytest.param(lambda: redis.asyncio.Redis(port=1), id="asyncio-client"),
+        pytest.param(lambda: "redis://localhost:6379/0", id="url"),
+        pytest.param(lambda: None, id="none"),
+    ],
+)
+def test_a_client_that_is_not_a_sync_redis_client_is_refused_when_made(client: Any) -> None:
+    """Review helper-54 F3: an asyncio client's acquire() returned False, as if contended."""
+    with pytest.raises(ConfigurationError, match=r"redis\.Redis or RedisCluster client"):
+        RedisLock(client(), "k")
+
+
+@pytest.mark.parametrize("option", ["blocking", "renew", "reentrant"])
+def test_a_flag_that_is_not_a_bool_is_refused_when_made(
+    lock_client: redis.Redis, option: str
+) -> None:
+    """``"no"`` read as true (review helper-54 F3)."""
+    with pytest.raises(ConfigurationError, match=f"{option} must be True or False"):
+        RedisLock(lock_client, "k", **{option: "no"})
+    lock = RedisLock(lock_client, "k")
+    with pytest.raises(ConfigurationError, match="blocking must be True or False"):
+        lock.acquire(blocking="no")  # type: ignore[arg-type]
+    assert not lock_client.exists("k")
 
 
 def test_short_lived_clients_leave_no_file_descriptors_or_objects_behind(

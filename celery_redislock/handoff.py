@@ -39,7 +39,7 @@ from kombu.serialization import registry  # type: ignore[attr-defined]
 from celery_redislock.brokers import delays_wait_in_the_broker
 from celery_redislock.exceptions import LockBackendError
 from celery_redislock.headers import HANDOFF_COPY_HEADER, HANDOFF_HEADER
-from celery_redislock.pending import PendingIndex, RevocableCall
+from celery_redislock.pending import OUTBOX_TTL_MS, PendingIndex, RevocableCall
 from celery_redislock.tokens import LockValue, new_nonce
 
 if TYPE_CHECKING:
@@ -209,29 +209,39 @@ def publish_copy(app: Celery, message: bytes, tag: str) -> Signature:
     return signature
 
 
-def publisher(app: Celery) -> Callable[[str, str, bytes], None]:
-    """Return the store's ``on_handoff`` hook for ``app``: publish the woken message.
+def publisher(
+    app: Celery, store: LockStore, prefix: str, swept: bool
+) -> Callable[[str, str, bytes], None]:
+    """Return ``store``'s ``on_handoff`` hook for ``app``: publish the woken message.
 
-    A publish that fails is logged: the parked call's re-sent copy runs
-    when its countdown ends. A soft time limit landing in it is not a
-    failed publish: it propagates (see ``protocol.hand_off``). The hook
-    holds the app weakly (the app's settings hold the store).
+    A publish that fails is kept in the lock store (the outbox of ``app``'s
+    pending calls) for a worker's sweep to publish as soon as the broker
+    takes it (review helper-50 F3: logged only, the call waited for the
+    hold to expire, a lock TTL). ``swept`` False (no worker sweeps): it is
+    logged, and the parked call's re-sent copy runs when its countdown ends.
+    A soft time limit landing in it is not a failed publish: it propagates
+    (see ``protocol.hand_off``). The hook holds the app and the store weakly
+    (the app's settings hold the store).
     """
-    app_ref = weakref.ref(app)
+    app_ref, store_ref = weakref.ref(app), weakref.ref(store)
 
     def publish(key: str, waiter: str, message: bytes) -> None:
+        current = app_ref()
         try:
-            current = app_ref()
             if current is None:
                 raise RuntimeError("the Celery app of this lock store is gone")
             signature = publish_copy(current, message, "w")
         except SoftTimeLimitExceeded:
             raise
         except Exception:
+            kept = swept and _keep_for_sweep(current, store_ref(), prefix, message)
             logger.exception(
-                "could not publish the parked execution lock %s was handed to; its re-sent "
-                "copy runs when its countdown ends",
+                "could not publish the parked execution lock %s was handed to; %s",
                 key,
+                "kept in the lock store: a worker's sweep publishes it as soon as the broker "
+                "takes it"
+                if kept
+                else "its re-sent copy runs when its countdown ends",
             )
             return
         logger.debug(
@@ -239,6 +249,28 @@ def publisher(app: Celery) -> Callable[[str, str, bytes], None]:
         )
 
     return publish
+
+
+def _keep_for_sweep(
+    app: Celery | None, store: LockStore | None, prefix: str, message: bytes
+) -> bool:
+    """Put a woken copy the broker refused in the outbox; False if that failed too.
+
+    The copy gets its tag here, once: the sweep publishes it as it is.
+    """
+    if app is None or store is None:
+        return False
+    signature = unpack_message(message)
+    options = signature.setdefault("options", {})
+    options["headers"] = {**(options.get("headers") or {}), HANDOFF_COPY_HEADER: f"w:{new_nonce()}"}
+    packed = pack_signature(signature, options.get("serializer"))
+    try:
+        app_pending(app, store, prefix).put_outbox(
+            f"{options.get('task_id')}:{new_nonce()}", packed, 0, OUTBOX_TTL_MS
+        )
+    except LockBackendError:
+        return False
+    return True
 
 
 def parked_looker(app: Celery, store: LockStore, prefix: str) -> Callable[[str, int], None]:

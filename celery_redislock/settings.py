@@ -186,7 +186,9 @@ def _read(app: Celery) -> AppSettings:
 
 def _install_handoff(app: Celery, settings: AppSettings) -> AppSettings:
     """Let releases through this app's store publish the messages of parked executions."""
-    settings.backend.on_handoff = handoff_publisher(app)
+    settings.backend.on_handoff = handoff_publisher(
+        app, settings.backend, settings.key_prefix, swept=settings.sweep_interval > 0
+    )
     settings.backend.on_kept_waited = parked_looker(app, settings.backend, settings.key_prefix)
     settings.backend.handoff_ttl_ms = max(int(settings.ttl * 1000), 1)
     return settings

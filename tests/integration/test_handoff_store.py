@@ -286,22 +286,45 @@ def test_a_soft_time_limit_inside_the_hand_off_publish_is_not_swallowed(
     assert not lock.owned
 
 
-def test_the_apps_publisher_logs_a_publish_the_broker_refuses(
-    caplog: pytest.LogCaptureFixture,
+@pytest.mark.parametrize("swept", [True, False])
+def test_the_apps_publisher_keeps_a_publish_the_broker_refuses(
+    caplog: pytest.LogCaptureFixture, lock_client: redis.Redis, swept: bool
 ) -> None:
-    """A failed publish is the safety net's to make up for: logged, never raised."""
+    """A failed publish is kept for a sweep (or, where none runs, left to the safety net).
+
+    Logged, never raised; kept in the app's outbox with its copy tag set, so
+    a sweep publishes it as it is.
+    """
     import socket
 
     from celery import Celery
 
-    from celery_redislock.handoff import pack_signature, publisher
+    from celery_redislock.handoff import pack_signature, publisher, unpack_message
+    from celery_redislock.headers import HANDOFF_COPY_HEADER
+    from celery_redislock.keys import pending_keys
 
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]  # nothing listens on it once closed
     app = Celery("refused", broker=f"redis://127.0.0.1:{port}/0", set_as_current=False)
     app.conf.update(task_publish_retry=False, broker_connection_timeout=0.5)
-    message = pack_signature(app.signature("refused.job", options={"retries": 0}), "json")
+    message = pack_signature(
+        app.signature("refused.job", options={"retries": 0, "task_id": "t-1"}), "json"
+    )
+    store = LockStore(client=lock_client)
     with caplog.at_level("ERROR", logger="celery_redislock"):
-        publisher(app)(KEY, "handoff-0", message)  # does not raise
+        publisher(app, store, "redislock", swept)(KEY, "handoff-0", message)  # does not raise
     assert any("could not publish" in record.getMessage() for record in caplog.records)
+    index, outbox = pending_keys("redislock", "refused")
+    kept = lock_client.hgetall(outbox)
+    if not swept:
+        assert not kept and "re-sent copy runs" in caplog.text
+        return
+    assert "kept in the lock store" in caplog.text
+    ((message_id, stored),) = kept.items()
+    assert (
+        message_id.startswith(b"t-1:") and lock_client.zscore(index, b"o|" + message_id) is not None
+    )
+    signature = unpack_message(stored)
+    assert signature["options"]["headers"][HANDOFF_COPY_HEADER].startswith("w:")
+    assert signature["options"]["task_id"] == "t-1"

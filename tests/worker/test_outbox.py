@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,8 +13,9 @@ from celery import Celery
 from celery.result import AsyncResult
 from celery.worker import state as worker_state
 
-from celery_redislock import LockBackendError, Retry, SingletonTask, lock_contended
+from celery_redislock import HandOff, LockBackendError, Retry, SingletonTask, lock_contended
 from celery_redislock.keys import pending_keys
+from celery_redislock.settings import app_settings
 from tests.conftest import embedded_worker
 from tests.servers import RedisServer, wait_until
 
@@ -127,3 +129,48 @@ def test_a_worker_that_does_not_sweep_fails_a_refused_re_send_visibly(
         assert "does not sweep" in str(error) and "broker refused" in str(error)
     assert lock_client.hlen(pending_keys("redislock", app.main or "")[1]) == 0
     assert record.llen("runs") == 0
+
+
+def test_a_hand_over_the_broker_refuses_runs_at_the_next_sweep_not_after_the_hold(
+    app: Celery, record: redis.Redis, lock_client: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The release that hands the key over publishes through a broker that refuses it.
+
+    Logged only, the parked call ran when the hold (the lock TTL, 30 s here)
+    expired and a sweep handed the key over again (review helper-50 F3:
+    about 31 s). Kept in the outbox, a worker's sweep publishes it at once.
+    """
+    app.conf.redislock_sweep_interval = 0.2
+
+    @app.task(base=SingletonTask, shared=False, lock_args=(), lock_on_contention=HandOff())
+    def job(label: str) -> str:
+        record.rpush("runs", label)
+        return label
+
+    key = job.lock_key_for(("x",), {})
+    holder = "v1|holder|0|elsewhere|1|ab|job|0"
+    lock_client.set(key, holder, px=60_000)
+    # The releasing process: the same app (same pending index), a broker that refuses.
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    releasing = Celery(app.main, set_as_current=False)
+    releasing.conf.update(
+        app.conf.changes,
+        broker_url=f"redis://127.0.0.1:{port}/0",
+        task_publish_retry=False,
+        broker_connection_timeout=0.5,
+    )
+    try:
+        with embedded_worker(app, "threads", 2):
+            parked = job.delay("parked")
+            wait_until(lambda: app.AsyncResult(parked.id).state == "RETRY", timeout=20)
+            store = app_settings(releasing).backend
+            assert store is not job.lock_settings().backend
+            with caplog.at_level("WARNING", logger="celery_redislock"):
+                store.release(key, holder)  # hands the key over; its publish is refused
+            assert "could not publish" in caplog.text
+            assert parked.get(timeout=10) == "parked"  # not after the 30 s hold
+    finally:
+        releasing.close()
+    assert record.lrange("runs", 0, -1) == ["parked"]

@@ -398,8 +398,9 @@ def hand_off(publish: Callable[[str, str, bytes], None] | None, key: str, reply:
 
     ``reply`` is the script's ``[1, hand-off value, message]``; ``publish``
     the store's ``on_handoff`` (``None``: this process cannot publish),
-    which logs a publish that fails (the parked execution's own re-sent
-    copy runs at its deadline, and a sweep hands it the lock). What it
+    which keeps a publish that fails for a sweep to make (else the parked
+    execution's own re-sent copy runs at its deadline, and a sweep hands it
+    the lock once the hold expires). What it
     raises is an interruption landing in it (a soft time limit, an
     ``Exception`` too): it propagates, the holder sends its release again
     and re-raises, and that release, a retry, publishes again (swallowed

@@ -71,8 +71,11 @@ class AsyncLockHandle(Lease):
             self._renewer.register(self)
 
     def _renewal_moved(self) -> None:
-        if self._renewer is not None:
-            self._renewer.register(self)
+        renewer = self._renewer
+        if renewer is not None:
+            renewer.register(self)
+            if self.released or self.lost:  # see LockHandle._renewal_moved
+                renewer.unregister(self)
 
     def _stop_renewal(self) -> None:
         if self._renewer is not None:

@@ -116,9 +116,7 @@ class AsyncRenewer:
         sent_at = clock()
         try:
             self.round_trips += 1
-            outcomes = await store.renew_many(
-                [(h.key, h.value, h.ttl_ms, h.fenced) for h in handles]
-            )
+            outcomes = await store.renew_many([h.renewal_item(sent_at) for h in handles])
         except Exception as exc:
             renewal_failed(handles, exc, renewal_logger)
             return

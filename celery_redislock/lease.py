@@ -138,6 +138,10 @@ class LockHandle(Lease):
     def _renewal_moved(self) -> None:
         if self._renewing:
             renewer().register(self, scoped=self._dropped is not None)
+            if self.released or self.lost:
+                # Released or lost meanwhile (in another thread), after its
+                # unregister: take it out again (review helper-55 F2).
+                renewer().unregister(self)
 
     def _stop_renewal(self) -> None:
         # Lost: the value is gone.

@@ -47,6 +47,16 @@ class Lease:
     Subclasses do the I/O and provide ``_stop_renewal``.
     """
 
+    # An extend and a renewal in flight together run at the server in either
+    # order: whichever ran last set the key's TTL. These say which overlapped
+    # (class defaults: nothing is paid per acquisition until one is sent).
+    #: The latest renewal sent: when, and the TTL (ms) it carried.
+    _renewal_sent: tuple[float, int] = (0.0, 0)
+    #: When the latest renewal's reply was read (0: not yet, or it failed).
+    _renewal_read_at = 0.0
+    #: When the latest extend was sent.
+    _extend_sent_at = float("-inf")
+
     def __init__(
         self,
         backend: Any,
@@ -85,8 +95,13 @@ class Lease:
         self.ttl_ms = max(int(ttl * 1000), 1)
         self.renew_period = ttl / 3
 
-    def _validity_from(self, sent_at: float) -> float:
-        return sent_at + self.ttl * (1 - _DRIFT_FACTOR) - _DRIFT_FLOOR
+    def _validity_from(self, sent_at: float, ttl: float | None = None) -> float:
+        return sent_at + (self.ttl if ttl is None else ttl) * (1 - _DRIFT_FACTOR) - _DRIFT_FLOOR
+
+    def renewal_item(self, sent_at: float) -> tuple[str, str, int, bool]:
+        """What a renewal sent at ``sent_at`` carries for this lock (and remember it)."""
+        self._renewal_sent = (sent_at, self.ttl_ms)
+        return self.key, self.value, self.ttl_ms, self.fenced
 
     def __repr__(self) -> str:
         state = "released" if self.released else ("lost" if self.lost else "held")
@@ -160,8 +175,16 @@ class Lease:
         if self.released or self.lost:
             return
         self.renewals += 1
-        self.valid_until = self._validity_from(sent_at)
-        self.renew_at = sent_at + self.renew_period
+        self._renewal_read_at = clock()
+        ttl = self._renewal_sent[1] / 1000 if self._renewal_sent[0] == sent_at else self.ttl
+        if ttl != self.ttl or self._extend_sent_at > sent_at:
+            # An extend overlapped it, and may have run first (review helper-55
+            # F1: read with the extend's TTL, the lease outlived the key).
+            self.valid_until = min(self.valid_until, self._validity_from(sent_at, ttl))
+            self.renew_at = min(self.renew_at, sent_at + ttl / 3)
+        else:
+            self.valid_until = self._validity_from(sent_at)
+            self.renew_at = sent_at + self.renew_period
         signals.lock_renewed.send(
             sender=self.sender,
             key=self.key,
@@ -201,7 +224,7 @@ class Lease:
             raise LockNotOwned(self.key, "it was released")
         if self._pid != current_pid():
             raise LockNotOwned(self.key, f"it was acquired by pid {self._pid}, not by this process")
-        sent_at = clock()
+        sent_at = self._extend_sent_at = clock()
         if ttl is not None:
             self._set_ttl(validate_ttl(ttl, "ttl"))
             self.valid_until = min(self.valid_until, self._validity_from(sent_at))
@@ -219,9 +242,19 @@ class Lease:
         if outcome is RenewOutcome.RENEWED:
             self.valid_until = self._validity_from(sent_at)
             self.renew_at = sent_at + self.renew_period
+            renewal_at, renewal_ttl_ms = self._renewal_sent
+            if renewal_ttl_ms != self.ttl_ms and not (
+                renewal_at <= self._renewal_read_at < sent_at
+            ):
+                # A renewal with the old TTL was in flight: it may run last.
+                renewal_ttl = renewal_ttl_ms / 1000
+                self.valid_until = min(
+                    self.valid_until, self._validity_from(renewal_at, renewal_ttl)
+                )
+                self.renew_at = min(self.renew_at, renewal_at + renewal_ttl / 3)
             return
         self._mark_lost("gone" if outcome is RenewOutcome.GONE else "stolen")
-        raise LockNotOwned(self.key, f"it is {self.lost_reason}")
+        raise LockNotOwned(self.key, f"it is {self.lost_reason or 'released'}")
 
     def _release_failed(self, exc: LockBackendError) -> None:
         self._release_done = True
@@ -342,6 +375,11 @@ def renewal_replied(
     for handle, outcome in zip(handles, outcomes, strict=False):
         if not still_held(handle):
             continue  # released while the renewal was in flight
+        if handle.released or handle.lost:
+            # Registered again by an extend racing its release or loss
+            # (review helper-55 F2): renewed, it would be due for ever.
+            handle._stop_renewal()
+            continue
         if outcome is RenewOutcome.RENEWED:
             handle._renewed(sent_at)
         elif outcome is RenewOutcome.GONE:

@@ -306,7 +306,7 @@ class Renewer:
 
     def _renew_group(self, backend: LockStore, handles: list[Renewable]) -> None:
         sent_at = clock()
-        items = [(h.key, h.value, h.ttl_ms, h.fenced) for h in handles]
+        items = [h.renewal_item(sent_at) for h in handles]
         try:
             self.round_trips += 1
             outcomes = backend.renew_many(items)

@@ -510,6 +510,11 @@ class FaultProxy:
         self.latency = 0.0
         self.lose_replies = 0
         self.cut_at: bytes | None = None
+        #: Delay the first chunk a client sends that holds these bytes (that
+        #: chunk only, by ``slow_chunk_delay`` s): one command late, the others not.
+        self.slow_chunk: bytes | None = None
+        self.slow_chunk_delay = 0.0
+        self.slowed = threading.Event()
         self.blackholed = threading.Event()
         #: Chunks read while blackholed and not yet passed on.
         self.held = 0
@@ -568,6 +573,11 @@ class FaultProxy:
                 with contextlib.suppress(OSError):
                     sink.shutdown(socket.SHUT_WR)
                 return
+            slow = self.slow_chunk
+            if not replies and slow is not None and slow in data:
+                self.slow_chunk = None
+                self.slowed.set()
+                time.sleep(self.slow_chunk_delay)
             cut_at = self.cut_at
             if not replies and cut_at is not None and cut_at in data:
                 self.cut_at = None

@@ -156,3 +156,85 @@ def test_a_forked_child_cannot_extend_its_parents_async_lock(
             await client.aclose()
 
     _run(body)
+
+
+def _lease_left(handle: Any) -> float:
+    from celery_redislock._clock import clock
+
+    return float(handle.valid_until - clock())
+
+
+def test_a_renewal_an_extend_overtook_never_lengthens_the_lease(
+    proxy: FaultProxy, lock_client: redis.Redis
+) -> None:
+    """Review helper-55 F1: the renewal's reply was read with the extend's TTL.
+
+    The renewal (old TTL, 1 s) is late on the wire; ``extend(30)`` reaches
+    Redis first; the renewal then sets 1 s. ``owned`` claimed 29 s more and
+    another client took the key while it said True. The lease may claim no
+    more than the key has, and the next renewal restores the new TTL.
+    """
+    client = redis.Redis(port=proxy.port, db=LOCK_DB)
+    with RedisLock(client, "overtaken", ttl=1.0) as lock:
+        proxy.slow_chunk, proxy.slow_chunk_delay = b"\r\n1000\r\n", 0.3
+        assert proxy.slowed.wait(5)  # the renewal carrying 1000 ms is on its way, late
+        renewals = lock.handle.renewals
+        lock.extend(30)
+        wait_until(lambda: lock.handle.renewals > renewals, timeout=5, message="its reply")
+        assert _lease_left(lock.handle) <= lock_client.pttl("overtaken") / 1000 + 0.05
+        wait_until(lambda: lock_client.pttl("overtaken") > 20_000, timeout=5, message="30 s again")
+        assert lock.owned
+    client.close()
+
+
+def test_an_async_renewal_an_extend_overtook_never_lengthens_the_lease(
+    proxy: FaultProxy, lock_client: redis.Redis
+) -> None:
+    async def body() -> None:
+        client = redis.asyncio.Redis(port=proxy.port, db=LOCK_DB)
+        try:
+            async with AsyncRedisLock(client, "overtaken", ttl=1.0) as lock:
+                proxy.slow_chunk, proxy.slow_chunk_delay = b"\r\n1000\r\n", 0.3
+                for _ in range(500):
+                    if proxy.slowed.is_set():
+                        break
+                    await asyncio.sleep(0.01)
+                assert proxy.slowed.is_set()
+                renewals = lock.handle.renewals
+                await lock.extend(30)
+                for _ in range(500):
+                    if lock.handle.renewals > renewals:
+                        break
+                    await asyncio.sleep(0.01)
+                assert lock.handle.renewals > renewals
+                assert _lease_left(lock.handle) <= lock_client.pttl("overtaken") / 1000 + 0.05
+                for _ in range(500):
+                    if lock_client.pttl("overtaken") > 20_000:
+                        break
+                    await asyncio.sleep(0.01)
+                assert lock_client.pttl("overtaken") > 20_000 and lock.owned
+        finally:
+            await client.aclose()
+
+    _run(body)
+
+
+def test_a_released_lock_registered_again_is_dropped_not_renewed_for_ever(
+    lock_client: redis.Redis,
+) -> None:
+    """Review helper-55 F2: an extend racing the release re-registered the handle.
+
+    Each renewal found the key gone and left ``renew_at`` in the past: the
+    renewer sent renewals in a tight loop for the life of the process. The
+    outcome of that race, made directly: the renewer drops such a handle.
+    """
+    from celery_redislock.renewer import renewer
+
+    lock = RedisLock(lock_client, "raced", ttl=0.6)
+    assert lock.acquire()
+    handle = lock.handle
+    lock.release()
+    trips = renewer().round_trips
+    renewer().register(handle)
+    wait_until(lambda: id(handle) not in renewer()._handles, timeout=5, message="dropped")
+    assert renewer().round_trips - trips <= 2

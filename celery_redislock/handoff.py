@@ -199,14 +199,25 @@ def publish_copy(app: Celery, message: bytes, tag: str) -> Signature:
     Every copy of a parked (or queued, or debounced) call gets a fresh tag
     (``<tag>:<nonce>``): the first copy granted the lock marks the call ran
     with its tag, and a copy with another tag is then dropped. A copy
-    published twice with one tag would run twice.
+    published twice with one tag would run twice, so kombu does not retry
+    it: its retry sends the same bytes again after a reply that came too
+    late, when the first send had landed (review helper-56 F1: the call ran
+    three times). A publish that fails is the caller's to make again, with
+    a tag of its own (the outbox, the next sweep).
     """
     signature = app.signature(unpack_message(message))
     headers = dict(signature.options.get("headers") or {})
     headers[HANDOFF_COPY_HEADER] = f"{tag}:{new_nonce()}"
     signature.options["headers"] = headers
-    signature.apply_async()
+    signature.apply_async(retry=False)
     return signature
+
+
+def copy_kind(message: bytes) -> str | None:
+    """The kind of copy (``w``, ``f``, ...) a stored message is, or None: not a copy."""
+    headers = unpack_message(message).get("options", {}).get("headers") or {}
+    tag = headers.get(HANDOFF_COPY_HEADER)
+    return str(tag).partition(":")[0] if tag else None
 
 
 def publisher(
@@ -256,17 +267,14 @@ def _keep_for_sweep(
 ) -> bool:
     """Put a woken copy the broker refused in the outbox; False if that failed too.
 
-    The copy gets its tag here, once: the sweep publishes it as it is.
+    The sweep tags each publish of it afresh (a copy).
     """
     if app is None or store is None:
         return False
-    signature = unpack_message(message)
-    options = signature.setdefault("options", {})
-    options["headers"] = {**(options.get("headers") or {}), HANDOFF_COPY_HEADER: f"w:{new_nonce()}"}
-    packed = pack_signature(signature, options.get("serializer"))
+    task_id = unpack_message(message).get("options", {}).get("task_id")
     try:
         app_pending(app, store, prefix).put_outbox(
-            f"{options.get('task_id')}:{new_nonce()}", packed, 0, OUTBOX_TTL_MS
+            f"{task_id}:{new_nonce()}", message, 0, OUTBOX_TTL_MS
         )
     except LockBackendError:
         return False

@@ -25,6 +25,7 @@ from celery_redislock.exceptions import LockBackendError
 from celery_redislock.handoff import app_pending, pack_signature, received_serializer
 from celery_redislock.headers import (
     BACKEND_RETRIES_HEADER,
+    HANDOFF_COPY_HEADER,
     MAX_UNSETTLED,
     REDELIVERED_HEADER,
     UNSETTLED_HEADER,
@@ -212,7 +213,9 @@ def resend(
         moved = countdown + (time.time() - eta.timestamp() if eta is not None else 0.0)
         signature.set(expires=moved_expiry(request.expires, moved))
     try:
-        signature.apply_async()
+        # A copy of a parked call is not retried by kombu (see handoff.publish_copy):
+        # refused, it goes to the outbox, which tags each publish afresh.
+        signature.apply_async(retry=HANDOFF_COPY_HEADER not in headers)
     except Exception as publish_error:
         keep_in_outbox(task, signature, countdown, publish_error)
     raise CeleryRetry(exc=exc, when=cast(Any, countdown), sig=signature)

@@ -32,7 +32,13 @@ from celery import bootsteps
 from celery.signals import worker_init
 
 from celery_redislock.exceptions import ConfigurationError, LockBackendError
-from celery_redislock.handoff import app_pending, marker_ttl_ms, publish_copy, unpack_message
+from celery_redislock.handoff import (
+    app_pending,
+    copy_kind,
+    marker_ttl_ms,
+    publish_copy,
+    unpack_message,
+)
 from celery_redislock.pending import OUTBOX_TTL_MS, Member, PendingIndex, Reaped, Reaping
 from celery_redislock.settings import AppSettings, app_settings
 from celery_redislock.startup import uses_redislock
@@ -140,8 +146,12 @@ class Sweeper:
         if message is None:
             return None  # another sweep took it
         try:
-            signature = self.app.signature(unpack_message(message))
-            signature.apply_async()
+            kind = copy_kind(message)
+            if kind is None:  # a lock retry: Celery's own publish
+                signature = self.app.signature(unpack_message(message))
+                signature.apply_async()
+            else:  # a copy of a parked call: a tag of its own each time
+                signature = publish_copy(self.app, message, kind)
         except Exception as exc:
             index.put_outbox(message_id, message, PUBLISH_RETRY_MS, OUTBOX_TTL_MS)
             logger.warning(

@@ -519,6 +519,8 @@ class FaultProxy:
         #: Chunks read while blackholed and not yet passed on.
         self.held = 0
         self._held_lock = threading.Lock()
+        #: Chunks sleeping out a delay right now (0: everything read has been passed on).
+        self.delayed = 0
         self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.listener.bind(("127.0.0.1", 0))
@@ -577,7 +579,11 @@ class FaultProxy:
             if not replies and slow is not None and slow in data:
                 self.slow_chunk = None
                 self.slowed.set()
+                with self._held_lock:
+                    self.delayed += 1
                 time.sleep(self.slow_chunk_delay)
+                with self._held_lock:
+                    self.delayed -= 1
             cut_at = self.cut_at
             if not replies and cut_at is not None and cut_at in data:
                 self.cut_at = None
@@ -590,7 +596,11 @@ class FaultProxy:
                 with self._held_lock:
                     self.held -= 1
             if self.latency:
+                with self._held_lock:
+                    self.delayed += 1
                 time.sleep(self.latency)
+                with self._held_lock:
+                    self.delayed -= 1
             if replies and self.lose_replies > 0:
                 self.lose_replies -= 1
                 continue

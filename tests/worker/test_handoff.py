@@ -889,11 +889,15 @@ def test_a_second_delivery_inside_the_idempotency_window_never_runs_again(
 
 
 def _held_by_another(
-    app: Celery, record: redis.Redis, lock_client: redis.Redis
+    app: Celery, record: redis.Redis, lock_client: redis.Redis, **options: Any
 ) -> tuple[Any, str, str, str]:
-    """A hand-off task whose key another holder keeps: the task, key, waiters list, holder."""
+    """A hand-off task (``options`` added) whose key another holder keeps.
 
-    @app.task(base=SingletonTask, shared=False, lock_args=(), lock_on_contention="handoff")
+    Returns the task, its key for ``("x",)``, the waiters list and the holder's value.
+    """
+    options = {"lock_on_contention": "handoff", **options}
+
+    @app.task(base=SingletonTask, shared=False, lock_args=(), **options)
     def job(label: str) -> str:
         record.rpush("runs", label)
         return label
@@ -1045,14 +1049,7 @@ def test_a_coalesced_run_interrupted_in_its_withdraw_gives_its_queued_key_back(
     app = app_factory(redislock_store_class=f"{__name__}:WithdrawInterrupted")
     from celery_redislock.handoff import app_pending
 
-    @app.task(base=SingletonTask, shared=False, lock_args=(), lock_enqueue="until_start")
-    def job(label: str) -> str:
-        record.rpush("runs", label)
-        return label
-
-    key = job.lock_key_for(("x",), {})
-    holder = "v1|holder|0|elsewhere|1|ab|job|0"
-    lock_client.set(key, holder, px=60_000)
+    job, key, _, holder = _held_by_another(app, record, lock_client, lock_enqueue="until_start")
     settings = job._lock_settings()
     with embedded_worker(app, "threads", 2):
         parked = job.delay("revoked")

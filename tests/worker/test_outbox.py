@@ -18,6 +18,7 @@ from celery_redislock.keys import pending_keys
 from celery_redislock.settings import app_settings
 from tests.conftest import embedded_worker
 from tests.servers import RedisServer, wait_until
+from tests.worker.test_handoff import _held_by_another
 
 pytestmark = pytest.mark.worker
 
@@ -141,15 +142,7 @@ def test_a_hand_over_the_broker_refuses_runs_at_the_next_sweep_not_after_the_hol
     about 31 s). Kept in the outbox, a worker's sweep publishes it at once.
     """
     app.conf.redislock_sweep_interval = 0.2
-
-    @app.task(base=SingletonTask, shared=False, lock_args=(), lock_on_contention=HandOff())
-    def job(label: str) -> str:
-        record.rpush("runs", label)
-        return label
-
-    key = job.lock_key_for(("x",), {})
-    holder = "v1|holder|0|elsewhere|1|ab|job|0"
-    lock_client.set(key, holder, px=60_000)
+    job, key, _, holder = _held_by_another(app, record, lock_client, lock_on_contention=HandOff())
     # The releasing process: the same app (same pending index), a broker that refuses.
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
